@@ -1,0 +1,215 @@
+"""Jitted rollout: one dense prefill, then a lax.while_loop of decode steps.
+
+Log-prob convention (RL ratios depend on it): `logprobs` holds, for every sampled token,
+log p(token) under the distribution it was actually drawn from, i.e.
+log_softmax(truncate(logits / temperature)) where truncate applies top-k, then top-p,
+and renormalises. With top_k=0 and top_p=1 (the RL default) this is exactly
+log_softmax(logits / temperature) at the sampled token, which is what a trainer
+recomputes teacher-forced. With temperature=0 (greedy) the token is the argmax and its
+log-prob is log_softmax(logits) (temperature 1). Optional `top_logprobs` are the k
+largest entries of log_softmax(logits / temperature) before truncation.
+
+Layout: `tokens` is [B, S]: row b holds its prompt at [0, prompt_len_b) and its
+completion right after it, then pad; S = prompt buffer + max_new_tokens rounded up to the
+page size. The completion's EOS, if sampled, belongs to the completion (mask 1).
+Weights (the nnx state) and the LoRA tree enter jit as arguments: new values never
+recompile; the static settings (SamplingConfig, AttentionSpec) do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsparse_jax.attention.spec import AttentionSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  max_new_tokens: int
+  eos_id: int
+  pad_id: int
+  temperature: float = 1.0
+  top_k: int = 0  # 0: off
+  top_p: float = 1.0  # 1.0: off
+  samples_per_prompt: int = 1
+  top_logprobs: int = 0  # also return the k largest log-probs per step (0: off)
+
+  def __post_init__(self):
+    if self.max_new_tokens < 1:
+      raise ValueError("SamplingConfig.max_new_tokens must be >= 1")
+    if self.temperature < 0:
+      raise ValueError("SamplingConfig.temperature must be >= 0")
+    if self.top_k < 0:
+      raise ValueError("SamplingConfig.top_k must be >= 0")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError("SamplingConfig.top_p must be in (0, 1]")
+    if self.samples_per_prompt < 1:
+      raise ValueError("SamplingConfig.samples_per_prompt must be >= 1")
+
+
+class Rollout(NamedTuple):
+  """What a rollout returns; every [B, S] array is aligned with `tokens`."""
+
+  tokens: jax.Array  # int32 [B, S]
+  prompt_lengths: jax.Array  # int32 [B]
+  completion_lengths: jax.Array  # int32 [B]
+  completion_mask: jax.Array  # f32 [B, S], 1 on completion tokens
+  logprobs: jax.Array  # f32 [B, S], log-prob of each completion token (0 elsewhere)
+  page_ids: dict  # {sparse layer: int32 [B, S, K, P]}: pages read by the query at s
+  top_logprobs: Any = None  # (values f32 [B, S, k], ids int32 [B, S, k]) or None
+
+  @property
+  def lengths(self):
+    return self.prompt_lengths + self.completion_lengths
+
+  def sparse_query(self):
+    """bool [B, S]: the positions whose query ran as a sparse decode step."""
+    pos = jnp.arange(self.tokens.shape[1])[None]
+    return (pos >= self.prompt_lengths[:, None]) & (pos < self.lengths[:, None] - 1)
+
+  def pages(self):
+    """The decode record in the form Transformer.forward(pages=...) takes, or None."""
+    if not self.page_ids:
+      return None
+    sq = self.sparse_query()
+    return {layer: (ids, sq) for layer, ids in self.page_ids.items()}
+
+
+def truncate_logits(logits_BxV, top_k: int, top_p: float):
+  """Sets logits outside the top-k and then outside the top-p nucleus to -inf."""
+  if top_k:
+    kth = jax.lax.top_k(logits_BxV, top_k)[0][:, -1:]
+    logits_BxV = jnp.where(logits_BxV < kth, -jnp.inf, logits_BxV)
+  if top_p < 1.0:
+    sorted_desc = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = mass_before < top_p  # the first token is always kept
+    cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    logits_BxV = jnp.where(logits_BxV < cutoff, -jnp.inf, logits_BxV)
+  return logits_BxV
+
+
+def sample_token(logits_BxV, key, cfg: SamplingConfig):
+  """(token_B, logprob_B of that token under the sampling distribution)."""
+  if cfg.temperature == 0.0:
+    tok = jnp.argmax(logits_BxV, axis=-1)
+    logp = jax.nn.log_softmax(logits_BxV, axis=-1)
+  else:
+    scaled = truncate_logits(logits_BxV / cfg.temperature, cfg.top_k, cfg.top_p)
+    tok = jax.random.categorical(key, scaled, axis=-1)
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+  return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+
+
+def buffer_length(prompt_len: int, max_new_tokens: int, page_size: int) -> int:
+  total = prompt_len + max_new_tokens
+  return -(-total // page_size) * page_size
+
+
+class Sampler:
+  """Samples completions from a Transformer. Build once per model graph; call with any
+  weights of that graph."""
+
+  def __init__(self, graphdef):
+    self.graphdef = graphdef
+    self._jitted = jax.jit(self._sample, static_argnames=("cfg", "spec", "lora_scale"))
+
+  def __call__(self, state, prompts_BxL, prompt_lengths_B, key, cfg: SamplingConfig,
+               spec: AttentionSpec = AttentionSpec(), lora=None, lora_scale: float = 1.0):
+    """Returns a Rollout with B * samples_per_prompt rows (a prompt's samples contiguous)."""
+    lengths = jnp.asarray(prompt_lengths_B, jnp.int32)
+    if prompts_BxL.shape[0] != lengths.shape[0]:
+      raise ValueError("prompts and prompt_lengths disagree on the batch size")
+    return self._jitted(state, jnp.asarray(prompts_BxL, jnp.int32), lengths, key, lora,
+                        cfg=cfg, spec=spec, lora_scale=lora_scale)
+
+  def _sample(self, state, prompts_BxL, prompt_len_B, key, lora, *, cfg, spec, lora_scale):
+    model = nnx.merge(self.graphdef, state)
+    n = cfg.samples_per_prompt
+    b0, l = prompts_BxL.shape
+    s = buffer_length(l, cfg.max_new_tokens, spec.page_size)
+    run = dict(spec=spec, lora=lora, lora_scale=lora_scale)
+
+    caches = model.init_cache(b0, s, spec)
+    logits, caches = model.prefill(prompts_BxL, prompt_len_B, caches, **run)
+    if n > 1:  # one prefill serves the n samples of each prompt
+      rep = lambda x: jnp.repeat(x, n, axis=0)
+      logits, caches = rep(logits), jax.tree.map(rep, caches)
+      prompts_BxL, prompt_len_B = rep(prompts_BxL), rep(prompt_len_B)
+    b = b0 * n
+    rows = jnp.arange(b)
+
+    tokens = jnp.full((b, s), cfg.pad_id, jnp.int32).at[:, :l].set(prompts_BxL)
+    tokens = jnp.where(jnp.arange(s)[None] < prompt_len_B[:, None], tokens, cfg.pad_id)
+    logprobs = jnp.zeros((b, s), jnp.float32)
+    sparse_layers = [blk.attn.info.index for blk in model.layers
+                     if spec.is_sparse_layer(blk.attn.info)]
+    kv, p = model.cfg.num_kv_heads, spec.sparse.max_pages if spec.sparse else 0
+    page_ids = {i: jnp.full((b, s, kv, p), -1, jnp.int32) for i in sparse_layers}
+    k_top = cfg.top_logprobs
+    top = ((jnp.zeros((b, s, k_top), jnp.float32), jnp.zeros((b, s, k_top), jnp.int32))
+           if k_top else None)
+
+    def emit(carry, logits_BxV, key, write_pos_B):
+      """Samples one token per row and writes it (and its log-prob) at write_pos_B."""
+      tokens, logprobs, done, ncomp, top = carry
+      tok, lp = sample_token(logits_BxV, key, cfg)
+      tok = jnp.where(done, cfg.pad_id, tok)
+      lp = jnp.where(done, 0.0, lp)
+      tokens = tokens.at[rows, write_pos_B].set(tok)
+      logprobs = logprobs.at[rows, write_pos_B].set(lp)
+      if top is not None:
+        vals, ids = jax.lax.top_k(
+            jax.nn.log_softmax(logits_BxV / max(cfg.temperature, 1e-6), axis=-1), k_top)
+        top = (top[0].at[rows, write_pos_B].set(vals),
+               top[1].at[rows, write_pos_B].set(ids.astype(jnp.int32)))
+      ncomp = ncomp + (~done).astype(jnp.int32)
+      done = done | (tok == cfg.eos_id)
+      return tokens, logprobs, done, ncomp, top
+
+    key, sub = jax.random.split(key)
+    done = jnp.zeros((b,), bool)
+    ncomp = jnp.zeros((b,), jnp.int32)
+    out = emit((tokens, logprobs, done, ncomp, top), logits, sub, prompt_len_B)
+
+    def cond(state):
+      step, _, _, (_, _, done, _, _), _ = state
+      return (step < cfg.max_new_tokens) & ~jnp.all(done)
+
+    def body(state):
+      step, key, caches, out, page_ids = state
+      pos_B = prompt_len_B + step - 1  # position of the token fed in this step
+      logits, caches, ids = model.decode(out[0][rows, pos_B], pos_B, caches, **run)
+      page_ids = {i: page_ids[i].at[rows, pos_B].set(ids[i]) for i in page_ids}
+      key, sub = jax.random.split(key)
+      out = emit(out, logits, sub, pos_B + 1)
+      return step + 1, key, caches, out, page_ids
+
+    state = (jnp.int32(1), key, caches, out, page_ids)
+    _, _, _, out, page_ids = jax.lax.while_loop(cond, body, state)
+    tokens, logprobs, _, ncomp, top = out
+    pos = jnp.arange(s)[None]
+    mask = (pos >= prompt_len_B[:, None]) & (pos < (prompt_len_B + ncomp)[:, None])
+    return Rollout(tokens=tokens, prompt_lengths=prompt_len_B, completion_lengths=ncomp,
+                   completion_mask=mask.astype(jnp.float32), logprobs=logprobs,
+                   page_ids=page_ids, top_logprobs=top)
+
+
+def completion_view(rollout: Rollout, pad_id: int):
+  """Completions left-aligned: int32 [B, max_new] (pad after each completion's end)."""
+  tokens = jax.device_get(rollout.tokens)
+  starts = jax.device_get(rollout.prompt_lengths)
+  ncomp = jax.device_get(rollout.completion_lengths)
+  width = int(ncomp.max()) if len(ncomp) else 0
+  out = np.full((tokens.shape[0], max(width, 1)), pad_id, np.int32)
+  for i, (st, c) in enumerate(zip(starts, ncomp)):
+    out[i, :c] = tokens[i, st:st + c]
+  return out
