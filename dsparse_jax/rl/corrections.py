@@ -20,11 +20,11 @@ def tis_weights(old_logp_BxT, rollout_logp_BxT, mask_BxT, cap):
   valid_BxT = mask_BxT > 0
   log_rho_BxT = jnp.where(valid_BxT, old_logp_BxT - rollout_logp_BxT, 0.0)
   log_rho_BxT = jax.lax.stop_gradient(log_rho_BxT.astype(jnp.float32))
+  log_cap = jnp.log(jnp.asarray(cap, jnp.float32))
   # exp(min(log rho, log C)) == min(rho, C) without overflow.
-  w_BxT = jnp.exp(jnp.minimum(log_rho_BxT, jnp.log(jnp.float32(cap))))
-  w_BxT = jnp.where(valid_BxT, w_BxT, 0.0)
+  w_BxT = jnp.where(valid_BxT, jnp.exp(jnp.minimum(log_rho_BxT, log_cap)), 0.0)
   metrics = {
-      "tis_clip_frac": masked_mean((log_rho_BxT > jnp.log(jnp.float32(cap))).astype(jnp.float32), mask_BxT),
+      "tis_clip_frac": masked_mean((log_rho_BxT > log_cap).astype(jnp.float32), mask_BxT),
       "tis_weight_mean": masked_mean(w_BxT, mask_BxT),
   }
   return w_BxT, metrics
@@ -43,7 +43,7 @@ def mis_mask(old_logp_BxT, rollout_logp_BxT, mask_BxT, lo, hi, level="token"):
   valid_BxT = m > 0
   log_rho_BxT = jnp.where(valid_BxT, old_logp_BxT - rollout_logp_BxT, 0.0)
   log_rho_BxT = jax.lax.stop_gradient(log_rho_BxT.astype(jnp.float32))
-  log_lo, log_hi = jnp.log(jnp.float32(lo)), jnp.log(jnp.float32(hi))
+  log_lo, log_hi = jnp.log(jnp.asarray(lo, jnp.float32)), jnp.log(jnp.asarray(hi, jnp.float32))
   if level == "token":
     keep_BxT = (log_rho_BxT >= log_lo) & (log_rho_BxT <= log_hi)
   elif level == "sequence":

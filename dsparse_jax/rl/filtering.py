@@ -53,7 +53,7 @@ def acceptance_fraction(logp_dense_BxT, logp_sparse_BxT, mask_BxT, C, key):
   m = mask_BxT.astype(jnp.float32)
   valid_BxT = m > 0
   log_ratio_BxT = jnp.where(valid_BxT, logp_dense_BxT - logp_sparse_BxT, 0.0).astype(jnp.float32)
-  prob_BxT = jnp.exp(jnp.minimum(log_ratio_BxT - jnp.log(jnp.float32(C)), 0.0))
+  prob_BxT = jnp.exp(jnp.minimum(log_ratio_BxT - jnp.log(jnp.asarray(C, jnp.float32)), 0.0))
   u_BxT = jax.random.uniform(key, m.shape)
   passed_BxT = (u_BxT < prob_BxT).astype(jnp.float32) * m
   return jnp.sum(passed_BxT, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)

@@ -71,6 +71,8 @@ def policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, *, clip_low, clip_high,
   """
   if dual_clip is not None and dual_clip <= 1.0:
     raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+  if agg not in AGG_MODES:
+    raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
   m = mask_BxT.astype(jnp.float32)
   valid_BxT = m > 0
   log_ratio_BxT = jnp.where(valid_BxT, logp_BxT - old_logp_BxT, 0.0)
@@ -93,18 +95,17 @@ def policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, *, clip_low, clip_high,
 
   num, den = aggregate(pg_BxT, m, agg)
 
-  f32 = lambda b: b.astype(jnp.float32)
-  sg = jax.lax.stop_gradient
-  ratio_sg = sg(ratio_BxT)
+  ratio_sg_BxT = jax.lax.stop_gradient(ratio_BxT)
+  token_sum = lambda x_BxT: masked_sum_count(jax.lax.stop_gradient(x_BxT).astype(jnp.float32), m)[0]
   metrics = {
-      "clip_frac_sum": masked_sum_count(f32(clip_active_BxT), m)[0],
-      "clip_frac_low_sum": masked_sum_count(f32(clip_active_BxT & (adv_Bx1 < 0)), m)[0],
-      "clip_frac_high_sum": masked_sum_count(f32(clip_active_BxT & (adv_Bx1 > 0)), m)[0],
-      "dual_clip_frac_sum": masked_sum_count(f32(dual_active_BxT), m)[0],
-      "ratio_sum": masked_sum_count(ratio_sg, m)[0],
-      "ppo_kl_sum": masked_sum_count(-sg(log_ratio_BxT), m)[0],
-      "ratio_max": jnp.max(jnp.where(valid_BxT, ratio_sg, -jnp.inf)),
-      "ratio_min": jnp.min(jnp.where(valid_BxT, ratio_sg, jnp.inf)),
+      "clip_frac_sum": token_sum(clip_active_BxT),
+      "clip_frac_low_sum": token_sum(clip_active_BxT & (adv_Bx1 < 0)),
+      "clip_frac_high_sum": token_sum(clip_active_BxT & (adv_Bx1 > 0)),
+      "dual_clip_frac_sum": token_sum(dual_active_BxT),
+      "ratio_sum": token_sum(ratio_BxT),
+      "ppo_kl_sum": token_sum(-log_ratio_BxT),
+      "ratio_max": jnp.max(jnp.where(valid_BxT, ratio_sg_BxT, -jnp.inf)),
+      "ratio_min": jnp.min(jnp.where(valid_BxT, ratio_sg_BxT, jnp.inf)),
       "num_tokens": jnp.sum(m),
   }
   return num, den, metrics

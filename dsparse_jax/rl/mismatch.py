@@ -21,6 +21,17 @@ def token_kl(logits_p_BxTxV, logits_q_BxTxV):
   return exact_kl(logits_p_BxTxV, logits_q_BxTxV)
 
 
+def _sorted_percentile(sorted_N, start, count, q):
+  """Linear-interpolated q-th percentile of sorted_N[start : start + count]; NaN if count == 0."""
+  last = jnp.maximum(count - 1, 0)
+  pos = (q / 100.0) * last.astype(jnp.float32)
+  lo = jnp.minimum(jnp.floor(pos).astype(jnp.int32), last)
+  hi = jnp.minimum(lo + 1, last)
+  frac = pos - lo.astype(jnp.float32)
+  v_lo, v_hi = sorted_N[start + lo], sorted_N[start + hi]
+  return jnp.where(count > 0, v_lo + frac * (v_hi - v_lo), jnp.nan)
+
+
 def masked_percentile(x, mask, q):
   """q-th percentile (0..100) of x over entries with mask > 0, static shapes.
 
@@ -28,18 +39,9 @@ def masked_percentile(x, mask, q):
   kept values sorted, v[i] at i = q/100 * (k - 1), linearly interpolated between
   floor(i) and floor(i) + 1. NaN if no entry is kept.
   """
-  x_N = x.reshape(-1).astype(jnp.float32)
   valid_N = mask.reshape(-1) > 0
-  k = jnp.sum(valid_N.astype(jnp.int32))
-  sorted_N = jnp.sort(jnp.where(valid_N, x_N, jnp.inf))  # masked entries go last
-  last = jnp.maximum(k - 1, 0)
-  pos = (q / 100.0) * last.astype(jnp.float32)
-  lo = jnp.minimum(jnp.floor(pos).astype(jnp.int32), last)
-  hi = jnp.minimum(lo + 1, last)
-  frac = pos - lo.astype(jnp.float32)
-  v_lo, v_hi = sorted_N[lo], sorted_N[hi]
-  value = v_lo + frac * (v_hi - v_lo)
-  return jnp.where(k > 0, value, jnp.nan)
+  sorted_N = jnp.sort(jnp.where(valid_N, x.reshape(-1).astype(jnp.float32), jnp.inf))
+  return _sorted_percentile(sorted_N, 0, jnp.sum(valid_N.astype(jnp.int32)), q)
 
 
 def position_bins(alpha_BxT, mask_BxT, positions_BxT, bin_width, num_bins, q=5.0):
@@ -49,17 +51,21 @@ def position_bins(alpha_BxT, mask_BxT, positions_BxT, bin_width, num_bins, q=5.0
   to bin positions // bin_width. Tokens with bin >= num_bins are dropped (choose
   num_bins = ceil(max_len / bin_width) to cover everything). Percentile rule: see
   `masked_percentile` (numpy 'linear'). Empty bins give NaN mean and percentile.
+  One sort of the B*T values (by bin, then value); num_bins must be static.
   Returns {'mean': [K], 'percentile': [K], 'count': [K] int32} with K = num_bins.
   """
-  x_N = alpha_BxT.reshape(-1).astype(jnp.float32)
-  valid_N = mask_BxT.reshape(-1) > 0
+  K = num_bins
   bin_N = positions_BxT.reshape(-1) // bin_width
-  in_bin_KxN = (bin_N[None, :] == jnp.arange(num_bins)[:, None]) & valid_N[None, :]
-  count_K = jnp.sum(in_bin_KxN.astype(jnp.int32), axis=1)
-  sum_K = jnp.sum(jnp.where(in_bin_KxN, x_N[None, :], 0.0), axis=1)
+  keep_N = (mask_BxT.reshape(-1) > 0) & (bin_N >= 0) & (bin_N < K)
+  bin_N = jnp.where(keep_N, bin_N, K).astype(jnp.int32)  # K collects dropped tokens
+  x_N = jnp.where(keep_N, alpha_BxT.reshape(-1).astype(jnp.float32), 0.0)
+  sorted_N = x_N[jnp.lexsort((x_N, bin_N))]
+  count_K = jnp.bincount(bin_N, length=K + 1)[:K]
+  start_K = jnp.cumsum(count_K) - count_K
+  sum_K = jax.ops.segment_sum(x_N, bin_N, num_segments=K + 1)[:K]
   mean_K = jnp.where(count_K > 0, sum_K / jnp.maximum(count_K, 1), jnp.nan)
-  pct_K = jax.vmap(masked_percentile, in_axes=(None, 0, None))(x_N, in_bin_KxN, q)
-  return {"mean": mean_K, "percentile": pct_K, "count": count_K}
+  pct_K = jax.vmap(_sorted_percentile, in_axes=(None, 0, 0, None))(sorted_N, start_K, count_K, q)
+  return {"mean": mean_K, "percentile": pct_K, "count": count_K.astype(jnp.int32)}
 
 
 def log_ratio_stats(logp_a_BxT, logp_b_BxT, mask_BxT):
