@@ -1,0 +1,91 @@
+"""Metrics out: JSONL (the source of truth), TensorBoard events, a console progress line."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def _scalar(v):
+    v = np.asarray(v)
+    return float(v) if v.size == 1 else v.tolist()
+
+
+class MetricsWriter:
+    """Appends {"phase", "step", ...metrics} records to <workdir>/metrics.jsonl and mirrors
+    scalars to TensorBoard (<workdir>/tb) when enabled."""
+
+    def __init__(self, workdir: str, tensorboard: bool = True):
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+    def write(self, phase: str, step: int, metrics: dict) -> dict:
+        record = {"phase": phase, "step": int(step)}
+        record.update({k: _scalar(v) for k, v in metrics.items()})
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for k, v in record.items():
+                if isinstance(v, float) and math.isfinite(v):
+                    self._tb.add_scalar(f"{phase}/{k}", v, step)
+            self._tb.flush()
+        return record
+
+    def drop_after(self, phase: str, step: int) -> None:
+        """Forget records of `phase` past `step` (metrics of work lost in a crash, which a
+        resumed run will redo)."""
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            lines = [l for l in f if l.strip()]
+        keep = [l for l in lines
+                if not (json.loads(l)["phase"] == phase and json.loads(l)["step"] > step)]
+        if len(keep) != len(lines):
+            with open(self.path, "w") as f:
+                f.writelines(keep)
+
+    def close(self):
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(workdir: str, phase: str | None = None) -> list[dict]:
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        records = [json.loads(l) for l in f if l.strip()]
+    return [r for r in records if phase is None or r["phase"] == phase]
+
+
+def _fmt_time(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class Progress:
+    """One status line per step on stderr: bar, step/total, chosen metrics, elapsed, ETA."""
+
+    def __init__(self, name: str, total: int, start: int = 0, stream=sys.stderr):
+        self.name, self.total, self.start = name, total, start
+        self.t0 = time.time()
+        self.stream = stream
+
+    def update(self, step: int, metrics: dict, keys: tuple[str, ...] = ()) -> None:
+        done = step - self.start
+        elapsed = time.time() - self.t0
+        eta = elapsed / done * (self.total - step) if done > 0 else float("nan")
+        frac = step / max(self.total, 1)
+        bar = "#" * int(20 * frac) + "." * (20 - int(20 * frac))
+        shown = " ".join(f"{k} {float(metrics[k]):.3g}" for k in keys if k in metrics)
+        eta_s = _fmt_time(eta) if math.isfinite(eta) else "?"
+        print(f"[{self.name}] {bar} {step}/{self.total} {shown} | {_fmt_time(elapsed)} "
+              f"elapsed, ETA {eta_s}", file=self.stream, flush=True)

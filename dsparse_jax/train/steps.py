@@ -1,0 +1,85 @@
+"""Pure functions for the jitted steps: teacher-forced log-probs, SFT and GRPO updates.
+
+Every [B, S] array is aligned with the token buffer: entry s refers to token s (its
+log-prob given tokens < s); entry 0 is 0. Params are an nnx.State that enters jit as an
+argument, so new weights never recompile.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dsparse_jax.attention.spec import AttentionSpec
+from dsparse_jax.rl import losses
+
+
+def token_logprobs(graphdef, params, tokens_BxS, *, temperature: float = 1.0,
+                   spec: AttentionSpec = AttentionSpec(), pages=None, lora=None,
+                   lora_scale: float = 1.0, with_logits: bool = False):
+    """Teacher-forced log p(token_s | tokens_<s) under log_softmax(logits / temperature).
+
+    Returns (logp_BxS, entropy_BxS) and, if with_logits, the scaled logits [B, S, V]
+    aligned the same way (row s = the distribution token s was drawn from).
+    """
+    model = nnx.merge(graphdef, params)
+    logits = model.forward(tokens_BxS, spec, pages=pages, lora=lora, lora_scale=lora_scale)
+    logits = logits / max(temperature, 1e-6)
+    logits = jnp.pad(logits[:, :-1], ((0, 0), (1, 0), (0, 0)))  # row s predicts token s
+    logp_all = jax.nn.log_softmax(logits, axis=-1)
+    logp = jnp.take_along_axis(logp_all, tokens_BxS[..., None], axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    logp = logp.at[:, 0].set(0.0)
+    entropy = entropy.at[:, 0].set(0.0)
+    return (logp, entropy, logits) if with_logits else (logp, entropy)
+
+
+def make_optimizer(learning_rate: float, *, warmup_steps: int, total_steps: int,
+                   weight_decay: float, max_grad_norm: float, b1: float = 0.9,
+                   b2: float = 0.999, schedule: str = "cosine"):
+    """AdamW with linear warmup, then cosine decay (to 10%) or constant; global-norm clip."""
+    warmup = optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1))
+    if schedule == "cosine":
+        after = optax.cosine_decay_schedule(learning_rate, max(total_steps - warmup_steps, 1),
+                                            alpha=0.1)
+    elif schedule == "constant":
+        after = optax.constant_schedule(learning_rate)
+    else:
+        raise ValueError(f"unknown schedule {schedule!r} (cosine | constant)")
+    lr = optax.join_schedules([warmup, after], [warmup_steps])
+    return optax.chain(optax.clip_by_global_norm(max_grad_norm),
+                       optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay))
+
+
+def apply_update(tx, params, opt_state, grads):
+    """One optimizer step; also returns the gradient's global norm and a finite flag.
+
+    A non-finite gradient leaves params and optimizer state untouched (the step is
+    skipped; callers count it)."""
+    gnorm = optax.global_norm(grads)
+    finite = jnp.isfinite(gnorm)
+    updates, new_opt = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    return keep(new_params, params), keep(new_opt, opt_state), gnorm, finite
+
+
+# ---------------------------------------------------------------------------------- SFT
+def sft_loss(params, graphdef, tokens_BxS, mask_BxS):
+    logp, _ = token_logprobs(graphdef, params, tokens_BxS)
+    num, den = losses.masked_sum_count(-logp, mask_BxS)
+    return num / jnp.maximum(den, 1.0), den
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "tx"), donate_argnums=(0, 1))
+def sft_step(params, opt_state, tokens_BxS, mask_BxS, *, graphdef, tx):
+    (loss, ntok), grads = jax.value_and_grad(sft_loss, has_aux=True)(
+        params, graphdef, tokens_BxS, mask_BxS)
+    params, opt_state, gnorm, finite = apply_update(tx, params, opt_state, grads)
+    return params, opt_state, {"loss": loss, "grad_norm": gnorm, "tokens": ntok,
+                               "skipped": 1.0 - finite.astype(jnp.float32)}
