@@ -31,7 +31,7 @@ class Evaluator:
                  problems: list[Problem], spec: AttentionSpec = AttentionSpec(),
                  batch_size: int = 64):
         self.sampler, self.tok, self.problems, self.spec = sampler, tok, problems, spec
-        self.batch_size = batch_size
+        self.batch_size = min(batch_size, len(problems))
         self.max_new = batches.completion_budget(task)
         self.prompt_width = batches.prompt_buffer(task)
 

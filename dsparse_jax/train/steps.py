@@ -61,7 +61,7 @@ def apply_update(tx, params, opt_state, grads):
 
     A non-finite gradient leaves params and optimizer state untouched (the step is
     skipped; callers count it)."""
-    gnorm = optax.global_norm(grads)
+    gnorm = optax.tree.norm(grads)
     finite = jnp.isfinite(gnorm)
     updates, new_opt = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
