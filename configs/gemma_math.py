@@ -27,6 +27,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.task = ml_collections.ConfigDict()
     c.task.num_vars = 16
     c.task.num_terms = 8  # solution length knob: ~10 tokens per term
+    c.task.name_digits = 0  # variable names: a letter + this many digits (0: a-z only)
     c.task.format_reward = 0.0  # reward for a well-formed but wrong answer
 
     c.attention = ml_collections.ConfigDict()

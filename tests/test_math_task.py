@@ -12,7 +12,7 @@ CFG = mt.ChainTaskConfig()
 
 def solve(prompt: str, modulus: int) -> tuple[list[str], str]:
     """Independent solver: parses the prompt text, returns (solution lines, answer)."""
-    m = re.fullmatch(r"vars: ((?:[a-z][0-9]+=[0-9] ?)+)\nsum: ((?:[+-][a-z][0-9]+ ?)+)\n",
+    m = re.fullmatch(r"vars: ((?:[a-z][0-9]*=[0-9] ?)+)\nsum: ((?:[+-][a-z][0-9]* ?)+)\n",
                      prompt)
     assert m, prompt
     values = {}
@@ -52,6 +52,7 @@ def test_splits_disjoint():
     mt.ChainTaskConfig(num_vars=5, num_terms=5, modulus=7),
     mt.ChainTaskConfig(num_vars=260, num_terms=200, modulus=100),
     mt.ChainTaskConfig(num_vars=40, num_terms=30, min_terms=3, name_digits=2),
+    mt.ChainTaskConfig(num_vars=26, num_terms=10, name_digits=0),
 ])
 def test_solution_is_correct(cfg):
     for p in mt.problems(cfg, "eval", 0, 30, seed=1):
@@ -84,10 +85,12 @@ def test_length_bounds_exact_and_linear():
 def test_config_validation():
     for kwargs, field in [({"num_vars": 0}, "num_vars"), ({"num_vars": 261}, "num_vars"),
                           ({"num_terms": 25}, "num_terms"), ({"modulus": 1}, "modulus"),
-                          ({"min_terms": 13}, "min_terms"), ({"name_digits": 0}, "name_digits")]:
+                          ({"min_terms": 13}, "min_terms"), ({"name_digits": 5}, "name_digits")]:
         with pytest.raises(ValueError, match=field):
             mt.ChainTaskConfig(**kwargs)
     mt.ChainTaskConfig(num_vars=2600, num_terms=2600, name_digits=2)  # allowed
+    with pytest.raises(ValueError, match="num_vars"):
+        mt.ChainTaskConfig(num_vars=27, num_terms=3, name_digits=0)
 
 
 def test_tokenizer_covers_everything():

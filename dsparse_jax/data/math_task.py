@@ -51,7 +51,8 @@ class ChainTaskConfig:
     modulus: running totals are reduced mod this (>= 2); values are 0..9.
     min_terms: if set, each problem draws its term count uniformly from
       [min_terms, num_terms]; None means always num_terms.
-    name_digits: digits after the letter in a variable name (1..4).
+    name_digits: digits after the letter in a variable name (0..4; 0 = single
+      letters, at most 26 variables: the easiest lookups, the CPU default).
     """
     num_vars: int = 24
     num_terms: int = 12
@@ -64,8 +65,8 @@ class ChainTaskConfig:
         return len(NAME_LETTERS) * 10**self.name_digits
 
     def __post_init__(self):
-        if not 1 <= self.name_digits <= 4:
-            raise ValueError(f"name_digits must be in [1, 4], got {self.name_digits}")
+        if not 0 <= self.name_digits <= 4:
+            raise ValueError(f"name_digits must be in [0, 4], got {self.name_digits}")
         if not 1 <= self.num_vars <= self.max_vars:
             raise ValueError(f"num_vars must be in [1, {self.max_vars}] for "
                              f"name_digits={self.name_digits}, got {self.num_vars}")
@@ -107,7 +108,9 @@ def make_problem(cfg: ChainTaskConfig, split: str, index: int, seed: int) -> Pro
         num_terms = int(rng.integers(cfg.min_terms, cfg.num_terms + 1))
     base = 10**cfg.name_digits
     name_ids = rng.choice(cfg.max_vars, size=cfg.num_vars, replace=False)
-    names = [f"{NAME_LETTERS[i // base]}{i % base:0{cfg.name_digits}d}" for i in name_ids]
+    digits = (lambda i: "") if cfg.name_digits == 0 else (
+        lambda i: f"{i % base:0{cfg.name_digits}d}")
+    names = [f"{NAME_LETTERS[i // base]}{digits(i)}" for i in name_ids]
     values = rng.integers(0, 10, size=cfg.num_vars)
     term_idx = rng.choice(cfg.num_vars, size=num_terms, replace=False)
     signs = rng.integers(0, 2, size=num_terms)  # 0: '+', 1: '-'

@@ -42,7 +42,8 @@ def model_config(config, vocab_size: int) -> ModelConfig:
 
 
 def build(config) -> RunContext:
-    task = ChainTaskConfig(num_vars=config.task.num_vars, num_terms=config.task.num_terms)
+    task = ChainTaskConfig(num_vars=config.task.num_vars, num_terms=config.task.num_terms,
+                           name_digits=config.task.name_digits)
     tok = build_tokenizer(task, config.seed)
     model_cfg = model_config(config, tok.vocab_size)
     model = Transformer(model_cfg, nnx.Rngs(config.seed))
