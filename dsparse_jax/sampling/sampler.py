@@ -7,7 +7,8 @@ and renormalises. With top_k=0 and top_p=1 (the RL default) this is exactly
 log_softmax(logits / temperature) at the sampled token, which is what a trainer
 recomputes teacher-forced. With temperature=0 (greedy) the token is the argmax and its
 log-prob is log_softmax(logits) (temperature 1). Optional `top_logprobs` are the k
-largest entries of log_softmax(logits / temperature) before truncation.
+largest entries of log_softmax(logits / temperature) before truncation (temperature 1
+when greedy, as for `logprobs`).
 
 Layout: `tokens` is [B, S]: row b holds its prompt at [0, prompt_len_b) and its
 completion right after it, then pad; S = prompt buffer + max_new_tokens rounded up to the
@@ -52,6 +53,8 @@ class SamplingConfig:
       raise ValueError("SamplingConfig.top_p must be in (0, 1]")
     if self.samples_per_prompt < 1:
       raise ValueError("SamplingConfig.samples_per_prompt must be >= 1")
+    if self.top_logprobs < 0:
+      raise ValueError("SamplingConfig.top_logprobs must be >= 0")
 
 
 class Rollout(NamedTuple):
@@ -167,8 +170,9 @@ class Sampler:
       tokens = tokens.at[rows, write_pos_B].set(tok)
       logprobs = logprobs.at[rows, write_pos_B].set(lp)
       if top is not None:
-        vals, ids = jax.lax.top_k(
-            jax.nn.log_softmax(logits_BxV / max(cfg.temperature, 1e-6), axis=-1), k_top)
+        # Greedy (temperature 0) reports temperature-1 log-probs, like `logprobs`.
+        t = cfg.temperature if cfg.temperature > 0 else 1.0
+        vals, ids = jax.lax.top_k(jax.nn.log_softmax(logits_BxV / t, axis=-1), k_top)
         top = (top[0].at[rows, write_pos_B].set(vals),
                top[1].at[rows, write_pos_B].set(ids.astype(jnp.int32)))
       ncomp = ncomp + (~done).astype(jnp.int32)
