@@ -6,6 +6,9 @@ sft.target_accuracy, then GRPO. Runs on a 2-core CPU with no downloads:
   python launch/train.py --config=configs/gemma_math.py --workdir=runs/gemma_math
 
 Any field can be overridden, e.g. --config.rl.learning_rate=1e-4 --config.rl.num_steps=20.
+RL runs in rl.rollout_mode = distillsparse (sparse + LoRA actor, dense training, LoRA
+distillation; docs/distillsparse.md); the other modes are one override away:
+--config.rl.rollout_mode=dense | sparse | sparse_train.
 """
 
 import ml_collections
@@ -64,11 +67,53 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.scale_adv_by_std = True  # False: Dr. GRPO
     c.rl.kl_coef = 0.0  # KL to the frozen SFT reference (k3); 0: off
     c.rl.kl_kind = "k3"
+    # Rollout mode (METHOD.md): dense | sparse (sparse rollout, dense training) |
+    # sparse_train (the trainer is sparse too, on the rollout's recorded pages) |
+    # distillsparse (sparse + LoRA actor, dense theta update, then LoRA distillation).
+    c.rl.rollout_mode = "distillsparse"
+    c.rl.samples_generated = 0  # M >= samples_per_prompt rollouts per prompt; 0: M = n
+    c.rl.selection = "reward"  # top-n of the M by reward | acceptance (rate vs dense)
+    c.rl.acceptance_C = 1.0  # Bernoulli test probability min(1, p_dense / (C p_sparse))
+    c.rl.is_correction = "none"  # none | tis | mis (vs the rollout log-probs), any mode
+    c.rl.tis_cap = 2.0  # TIS weight min(pi_old / mu, C)
+    c.rl.mis_lo = 0.5  # MIS keeps tokens with ratio in [lo, hi]
+    c.rl.mis_hi = 2.0
+    c.rl.mis_level = "token"  # token | sequence (geometric mean ratio)
+
+    # Block-sparse decode of the rollout policy (not dense mode). Page size: attention.
+    c.sparse = ml_collections.ConfigDict()
+    c.sparse.policy = "distillsparse"  # distillsparse (centroids) | quest | streaming
+    c.sparse.budget = 6  # KV pages read per step (sink and recent included)
+    c.sparse.dense_layers = 2  # the first layers stay dense (global layers past are sparse)
+    c.sparse.sink_pages = 1
+    c.sparse.recent_pages = 2
+
+    # LoRA delta tree phi of the sparse actor (distillsparse only).
+    c.lora = ml_collections.ConfigDict()
+    c.lora.rank = 8
+    c.lora.alpha = 16.0
+    c.lora.targets = "all"  # comma list of q,k,v,o,gate,up,down (or all | attn | mlp)
+    c.lora.learning_rate = 1e-3
+    c.lora.warmup_steps = 0
+    c.lora.weight_decay = 0.0
+    c.lora.max_grad_norm = 1.0
+    c.lora.schedule = "constant"
+
+    # The phi update: L = L_PPO(sparse logp; old = rollout logp) + kl_coef * KL(sparse||dense).
+    c.distill = ml_collections.ConfigDict()
+    c.distill.teacher = "cached"  # cached (dense logp before theta's update) | recomputed
+    c.distill.loss = "ppo+kl"  # ppo+kl | kl_only
+    c.distill.kl = "k3"  # k1 | k2 | k3 | exact_reverse | exact_forward
+    c.distill.kl_coef = 1e-3  # lambda
+
+    c.metrics = ml_collections.ConfigDict()
+    c.metrics.position_bin = 256  # completion-position bin width of mismatch metrics
 
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 10  # RL steps between held-out evaluations
     c.eval.num_problems = 128
     c.eval.mean_at_k = 4  # samples per problem for mean@k (temperature rl.temperature)
+    c.eval.sparse = True  # sparse modes: also greedy accuracy of the rollout policy
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 10

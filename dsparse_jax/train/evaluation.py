@@ -25,7 +25,11 @@ def score(tok: Tokenizer, rollout, problems: list[Problem], format_reward: float
 
 
 class Evaluator:
-    """Greedy accuracy (and optionally mean@k) on a fixed set of eval problems."""
+    """Greedy accuracy (and optionally mean@k) on a fixed set of eval problems.
+
+    `spec` (default: the one given at construction, dense) and `lora` select the policy:
+    the dense policy (theta, dense attention) or a sparse rollout policy (sparse spec,
+    optionally with a LoRA delta tree)."""
 
     def __init__(self, sampler: Sampler, tok: Tokenizer, task: ChainTaskConfig,
                  problems: list[Problem], spec: AttentionSpec = AttentionSpec(),
@@ -35,7 +39,9 @@ class Evaluator:
         self.max_new = batches.completion_budget(task)
         self.prompt_width = batches.prompt_buffer(task)
 
-    def _accuracy(self, params, cfg: SamplingConfig, key, lora=None, lora_scale=1.0):
+    def _accuracy(self, params, cfg: SamplingConfig, key, lora=None, lora_scale=1.0,
+                  spec: AttentionSpec | None = None):
+        spec = self.spec if spec is None else spec
         correct = []
         for start in range(0, len(self.problems), self.batch_size):
             chunk = self.problems[start:start + self.batch_size]
@@ -43,20 +49,20 @@ class Evaluator:
             prompts, lengths = batches.encode_prompts(self.tok, chunk + chunk[:1] * pad,
                                                       self.prompt_width)
             key, sub = jax.random.split(key)
-            rollout = self.sampler(params, prompts, lengths, sub, cfg, self.spec, lora,
-                                   lora_scale)
+            rollout = self.sampler(params, prompts, lengths, sub, cfg, spec, lora, lora_scale)
             r, _ = score(self.tok, rollout, chunk + chunk[:1] * pad)
             correct.append(r.reshape(len(chunk) + pad, -1)[:len(chunk)])
         return float(np.mean(np.concatenate(correct) == 1.0))
 
-    def greedy(self, params, lora=None, lora_scale=1.0) -> float:
+    def greedy(self, params, lora=None, lora_scale=1.0,
+               spec: AttentionSpec | None = None) -> float:
         cfg = SamplingConfig(max_new_tokens=self.max_new, eos_id=self.tok.eos_id,
                              pad_id=self.tok.pad_id, temperature=0.0)
-        return self._accuracy(params, cfg, jax.random.key(0), lora, lora_scale)
+        return self._accuracy(params, cfg, jax.random.key(0), lora, lora_scale, spec)
 
     def mean_at_k(self, params, k: int, temperature: float, key, lora=None,
-                  lora_scale=1.0) -> float:
+                  lora_scale=1.0, spec: AttentionSpec | None = None) -> float:
         cfg = SamplingConfig(max_new_tokens=self.max_new, eos_id=self.tok.eos_id,
                              pad_id=self.tok.pad_id, temperature=temperature,
                              samples_per_prompt=k)
-        return self._accuracy(params, cfg, key, lora, lora_scale)
+        return self._accuracy(params, cfg, key, lora, lora_scale, spec)

@@ -3,7 +3,9 @@
 A minibatch is a dict of [B, S] arrays aligned with the token buffer:
   tokens, mask (completion tokens that count), old_logp (trainer log-probs before the
   first update), adv [B], and optionally ref_logp (frozen reference, for the KL term) and
-  is_weights (detached off-policy token weights, e.g. TIS).
+  is_weights (detached off-policy token weights, e.g. TIS) and pages (the rollout's decode
+  record, Rollout.pages(): with a sparse `settings.spec` the trainer's forward is the
+  teacher-forced sparse twin of the rollout, rl.rollout_mode=sparse_train).
 Microbatches accumulate gradients of the loss numerators and divide once by the total
 denominator, so any microbatch count gives the same gradient (up to float rounding).
 """
@@ -16,6 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.rl import losses
 from dsparse_jax.train.steps import apply_update, token_logprobs
 
@@ -30,11 +33,13 @@ class GRPOSettings:
     kl_coef: float = 0.0
     kl_kind: str = "k3"
     microbatches: int = 1
+    spec: AttentionSpec = AttentionSpec()  # the trainer's attention (dense unless sparse_train)
 
 
 def loss_terms(params, graphdef, mb: dict, s: GRPOSettings):
     """(numerator, (denominator, metric sums)) of the GRPO loss on one microbatch."""
-    logp, entropy = token_logprobs(graphdef, params, mb["tokens"], temperature=s.temperature)
+    logp, entropy = token_logprobs(graphdef, params, mb["tokens"], temperature=s.temperature,
+                                   spec=s.spec, pages=mb.get("pages"))
     num, den, metrics = losses.policy_loss(
         logp, mb["old_logp"], mb["adv"], mb["mask"], clip_low=s.clip_low,
         clip_high=s.clip_high, dual_clip=s.dual_clip, token_weights_BxT=mb.get("is_weights"),
@@ -85,7 +90,10 @@ def grpo_update(params, opt_state, mb: dict, *, graphdef, tx, settings: GRPOSett
     return params, opt_state, m
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature"))
-def recompute_logprobs(params, tokens_BxS, *, graphdef, temperature: float):
-    """Trainer log-probs (old policy / reference) of a rollout batch, no gradient."""
-    return token_logprobs(graphdef, params, tokens_BxS, temperature=temperature)
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "spec"))
+def recompute_logprobs(params, tokens_BxS, pages=None, *, graphdef, temperature: float,
+                       spec: AttentionSpec = AttentionSpec()):
+    """Trainer log-probs (old policy / reference) of a rollout batch, no gradient.
+    With a sparse spec and the rollout's pages: the teacher-forced sparse forward."""
+    return token_logprobs(graphdef, params, tokens_BxS, temperature=temperature, spec=spec,
+                          pages=pages)

@@ -1,0 +1,115 @@
+"""One full RL step per rollout mode, in one process, with a phase breakdown, at several
+generation lengths (task.num_terms: ~11 completion tokens per term).
+
+  python launch/bench_rl_step.py --terms=4,8,16 --modes=dense,distillsparse --steps=3 \
+      [--config=configs/gemma_math.py --config.sparse.budget=6 ...]
+
+Per (length, mode): one untimed step (compiles), then the median over --steps timed steps
+of each phase: rollout, rewards, filter, recompute (dense teacher-forced forward, plus
+the actor's twin and the mismatch metrics in sparse modes), update (theta), teacher
+(distill.teacher=recomputed only), phi_update (the sparse + LoRA teacher-forced forward
+and backward, and the phi optimizer step). Weights are the fresh random init unless
+--params_from names a run directory with a finished SFT warm start (<dir>/sft): a
+random model rarely emits EOS early, so completions run close to the budget. Prints a
+table and writes JSON to --out.
+"""
+
+import copy
+import json
+import os
+import statistics
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/gemma_math.py",
+                                          "Path to a config file with get_config().")
+_TERMS = flags.DEFINE_list("terms", ["4", "8", "16"], "task.num_terms values (lengths).")
+_MODES = flags.DEFINE_list("modes", ["dense", "distillsparse"], "rl.rollout_mode values.")
+_STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per (length, mode), after 1 warmup.")
+_OUT = flags.DEFINE_string("out", "bench_rl_step.json", "JSON results path.")
+_PARAMS_FROM = flags.DEFINE_string("params_from", None,
+                                   "Run dir whose SFT checkpoint (<dir>/sft) gives theta.")
+
+PHASES = ("time_rollout", "time_rewards", "time_filter", "time_recompute", "time_update",
+          "time_teacher", "time_phi_update", "time_step")
+
+
+def _sft_params(ctx, workdir):
+    from dsparse_jax.train import checkpoints, sft
+    tx = sft._optimizer(ctx.config.sft)
+    ckpt = checkpoints.Checkpointer(workdir, "sft", keep=2)
+    step = ckpt.latest_step()
+    if step is None:
+        raise SystemExit(f"no SFT checkpoint under {workdir}/sft")
+    import jax
+    tree = ckpt.restore(step, checkpoints.to_saveable(ctx.init_params, tx.init(ctx.init_params),
+                                                      rng=jax.random.key(0), step=0))
+    ckpt.close()
+    return checkpoints.from_saveable(tree, ctx.init_params, tx.init(ctx.init_params))[0]
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    import jax
+    import jax.numpy as jnp
+
+    from dsparse_jax.data import batches
+    from dsparse_jax.train import context, rl_loop
+    from dsparse_jax.train.validate import validate
+
+    results = []
+    for terms in map(int, _TERMS.value):
+        base = copy.deepcopy(_CONFIG.value)
+        base.task.num_terms = terms
+        base.task.num_vars = max(base.task.num_vars, terms)
+        ctx = context.build(base)
+        params0 = _sft_params(ctx, _PARAMS_FROM.value) if _PARAMS_FROM.value else ctx.init_params
+        budget = batches.completion_budget(ctx.task)
+        row = {}
+        for mode in _MODES.value:
+            c = copy.deepcopy(base)
+            c.rl.rollout_mode = mode
+            validate(c)
+            run = context.RunContext(**{**ctx.__dict__, "config": c})
+            setup = rl_loop.make_setup(run)
+            st = rl_loop.init_state(run, setup, jax.tree.map(jnp.copy, params0))
+            rng = jax.random.key(0)
+            timed = []
+            for step in range(_STEPS.value + 1):
+                rng, k = jax.random.split(rng)
+                st, m = rl_loop.rl_step(run, setup, st, k, step)
+                if step:
+                    timed.append(m)
+            med = {p: statistics.median(t.get(p, 0.0) for t in timed) for p in PHASES}
+            med["response_length_mean"] = statistics.mean(t["response_length_mean"]
+                                                          for t in timed)
+            med.update(mode=mode, num_terms=terms, completion_budget=budget)
+            row[mode] = med
+            results.append(med)
+            print(f"[bench] terms {terms} (budget {budget} tokens) {mode}: " + " ".join(
+                f"{p[5:]} {med[p]:.3f}s" for p in PHASES) +
+                f" | mean length {med['response_length_mean']:.1f}", flush=True)
+        if "dense" in row:
+            d = row["dense"]
+            print(f"[bench] terms {terms}: dense rollout share "
+                  f"{d['time_rollout'] / d['time_step']:.1%}", flush=True)
+            for mode, r in row.items():
+                if mode != "dense":
+                    distill_cost = r["time_phi_update"] + r["time_teacher"]
+                    print(f"[bench] terms {terms}: {mode} speedup vs dense "
+                          f"{d['time_step'] / r['time_step']:.2f}x; rollout "
+                          f"{d['time_rollout'] / max(r['time_rollout'], 1e-9):.2f}x; "
+                          f"distillation phases / dense update "
+                          f"{distill_cost / max(d['time_update'], 1e-9):.2f}", flush=True)
+    with open(_OUT.value, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"[bench] wrote {_OUT.value}", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
