@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from model_utils import random_params
 from dsparse_jax.model import config as C
 from dsparse_jax.model.lora import LoRAConfig, init_lora, num_params, parse_targets
-from dsparse_jax.model.transformer import LINEAR_NAMES, Transformer
+from dsparse_jax.model.transformer import LINEAR_NAMES
 from dsparse_jax.train.steps import token_logprobs
 
 VOCAB = 16
@@ -24,23 +25,6 @@ def model_cfg():
                                             num_heads=4, num_kv_heads=2, sliding_window=8)
 
 
-def random_params(cfg, seed=0):
-    """(graphdef, state) with numpy-drawn weights (no eager init compiles)."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
-    rng = np.random.default_rng(seed)
-
-    def init(path, x):
-        name = path[-1].key
-        if name == "scale":
-            v = rng.normal(size=x.shape) * 0.3
-        else:
-            fan_in = x.shape[0] * x.shape[1] if name == "o" else x.shape[0]
-            v = rng.normal(size=x.shape) / math.sqrt(fan_in if name != "embed" else x.shape[1])
-        return jnp.asarray(v, x.dtype)
-
-    nnx.replace_by_pure_dict(
-        state, jax.tree_util.tree_map_with_path(init, nnx.to_pure_dict(state)))
-    return graphdef, state
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "lora_scale"))

@@ -33,26 +33,12 @@ BASE = C.tiny(vocab_size=40).replace(
 
 
 # ----------------------------------------------------------------------------- helpers
+from model_utils import random_params as _random_params
+
+
 def random_params(cfg, seed=0, norm_scale=0.3):
-  """(graphdef, state) with numpy-drawn weights; norm scales are non-zero on purpose so
-  the (1 + scale) convention is exercised."""
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
-  rng = np.random.default_rng(seed)
-
-  def init(path, x):
-    name = path[-1].key
-    if name == "scale":
-      v = rng.normal(size=x.shape) * norm_scale
-    elif name == "embed":
-      v = rng.normal(size=x.shape) * 2.0 / math.sqrt(cfg.d_model)
-    else:
-      fan_in = x.shape[0] * x.shape[1] if name == "o" else x.shape[0]
-      v = rng.normal(size=x.shape) / math.sqrt(fan_in)
-    return jnp.asarray(v, x.dtype)
-
-  nnx.replace_by_pure_dict(
-      state, jax.tree_util.tree_map_with_path(init, nnx.to_pure_dict(state)))
-  return graphdef, state
+  """Embeddings of std 2/sqrt(d) so the final soft-cap binds."""
+  return _random_params(cfg, seed, embed_std=2.0, norm_scale=norm_scale)
 
 
 @functools.lru_cache(maxsize=None)

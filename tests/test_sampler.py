@@ -35,25 +35,7 @@ TEMP = SamplingConfig(MAX_NEW, EOS, PAD, temperature=0.7, samples_per_prompt=3,
 TRUNC = SamplingConfig(MAX_NEW, EOS, PAD, temperature=1.3, top_k=6, top_p=0.7)
 
 
-def random_params(cfg, seed=0, model_cls=Transformer, embed_std=1.0):
-  """(graphdef, state) with numpy-drawn weights (no eager init compiles)."""
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: model_cls(cfg, nnx.Rngs(0))))
-  rng = np.random.default_rng(seed)
-
-  def init(path, x):
-    name = path[-1].key
-    if name == "scale":
-      v = rng.normal(size=x.shape) * 0.3
-    elif name == "embed":
-      v = rng.normal(size=x.shape) * embed_std / math.sqrt(cfg.d_model)
-    else:
-      fan_in = x.shape[0] * x.shape[1] if name == "o" else x.shape[0]
-      v = rng.normal(size=x.shape) / math.sqrt(fan_in)
-    return jnp.asarray(v, x.dtype)
-
-  nnx.replace_by_pure_dict(
-      state, jax.tree_util.tree_map_with_path(init, nnx.to_pure_dict(state)))
-  return graphdef, state
+from model_utils import random_params
 
 
 class CountingTransformer(Transformer):

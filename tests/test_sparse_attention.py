@@ -13,7 +13,6 @@ Tiny shapes (page_size 4 or 8) keep it fast; every rollout asks for top_logprobs
 i.e. the whole log-softmax of each decode step.
 """
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +24,6 @@ from dsparse_jax.attention import api, cache as kv_cache, dense, selection
 from dsparse_jax.attention.selection import NO_PAGE
 from dsparse_jax.attention.spec import AttentionSpec, LayerInfo, SparseSpec
 from dsparse_jax.model import config as C
-from dsparse_jax.model.transformer import Transformer
 from dsparse_jax.sampling.sampler import Sampler, SamplingConfig
 
 LP_TOL = 1e-4
@@ -45,25 +43,7 @@ def model_cfg(kv_heads):
       num_kv_heads=kv_heads, sliding_window=8)
 
 
-def random_params(cfg, seed=0):
-  """(graphdef, state) with numpy-drawn weights (no eager init compiles)."""
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
-  rng = np.random.default_rng(seed)
-
-  def init(path, x):
-    name = path[-1].key
-    if name == "scale":
-      v = rng.normal(size=x.shape) * 0.3
-    elif name == "embed":
-      v = rng.normal(size=x.shape) / math.sqrt(cfg.d_model)
-    else:
-      fan_in = x.shape[0] * x.shape[1] if name == "o" else x.shape[0]
-      v = rng.normal(size=x.shape) / math.sqrt(fan_in)
-    return jnp.asarray(v, x.dtype)
-
-  nnx.replace_by_pure_dict(
-      state, jax.tree_util.tree_map_with_path(init, nnx.to_pure_dict(state)))
-  return graphdef, state
+from model_utils import random_params
 
 
 @functools.lru_cache(maxsize=None)

@@ -20,7 +20,6 @@ recompile; the static settings (SamplingConfig, AttentionSpec) do.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, NamedTuple
 
 import jax

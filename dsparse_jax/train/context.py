@@ -13,7 +13,7 @@ from dsparse_jax.data.math_task import ChainTaskConfig, build_tokenizer, problem
 from dsparse_jax.data.tokenizer import Tokenizer
 from dsparse_jax.model.config import ModelConfig, preset
 from dsparse_jax.model.lora import LoRAConfig, parse_targets
-from dsparse_jax.model.transformer import Transformer, count_params
+from dsparse_jax.model.transformer import Transformer
 from dsparse_jax.sampling.sampler import Sampler
 from dsparse_jax.train.evaluation import Evaluator
 

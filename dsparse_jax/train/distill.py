@@ -33,8 +33,7 @@ import numpy as np
 
 from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.rl import losses, mismatch
-from dsparse_jax.train.grpo import _split_micro
-from dsparse_jax.train.steps import apply_update, token_logprobs
+from dsparse_jax.train.steps import accumulated_update, token_logprobs
 
 KL_KINDS = ("k1", "k2", "k3", "exact_reverse", "exact_forward")
 DISTILL_LOSSES = ("ppo+kl", "kl_only")
@@ -203,22 +202,6 @@ def phi_update(lora, opt_state, mb: dict, params, teacher_params=None, *, graphd
     grpo.grpo_update."""
     if settings.exact and teacher_params is None:
         raise ValueError(f"distill.kl={settings.kl} needs teacher_params")
-    grad_fn = jax.grad(phi_loss_terms, argnums=0, has_aux=True)  # d/d(phi) only
-    micro = _split_micro(mb, settings.microbatches)
-
-    def body(acc, one):
-        grads, (den, m) = grad_fn(lora, params, graphdef, one, settings, teacher_params)
-        g_acc, den_acc, m_acc = acc
-        return (jax.tree.map(jnp.add, g_acc, grads), den_acc + den,
-                jax.tree.map(jnp.add, m_acc, m)), None
-
-    first = jax.tree.map(lambda x: x[0], micro)
-    zeros_m = jax.tree.map(jnp.zeros_like, jax.eval_shape(
-        lambda: phi_loss_terms(lora, params, graphdef, first, settings, teacher_params)[1][1]))
-    init = (jax.tree.map(jnp.zeros_like, lora), jnp.float32(0.0), zeros_m)
-    (g_sum, den, m), _ = jax.lax.scan(body, init, micro)
-    grads = jax.tree.map(lambda g: g / jnp.maximum(den, 1.0), g_sum)
-    lora, opt_state, gnorm, finite = apply_update(tx, lora, opt_state, grads)
-    m["grad_norm"] = gnorm
-    m["skipped"] = 1.0 - finite.astype(jnp.float32)
-    return lora, opt_state, m
+    terms = lambda phi, one: phi_loss_terms(phi, params, graphdef, one, settings,
+                                            teacher_params)  # d/d(phi) only
+    return accumulated_update(terms, lora, opt_state, mb, settings.microbatches, tx)

@@ -16,11 +16,10 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.rl import losses
-from dsparse_jax.train.steps import apply_update, token_logprobs
+from dsparse_jax.train.steps import accumulated_update, token_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,38 +55,12 @@ def loss_terms(params, graphdef, mb: dict, s: GRPOSettings):
     return num, (den, metrics)
 
 
-def _split_micro(mb: dict, n: int) -> dict:
-    def split(x):
-        if x.shape[0] % n:
-            raise ValueError(f"minibatch of {x.shape[0]} rows is not divisible into {n} "
-                             "microbatches (rl.microbatches)")
-        return x.reshape(n, x.shape[0] // n, *x.shape[1:])
-    return jax.tree.map(split, mb)
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "tx", "settings"),
                    donate_argnums=(0, 1))
 def grpo_update(params, opt_state, mb: dict, *, graphdef, tx, settings: GRPOSettings):
     """One optimizer step on a minibatch. Returns (params, opt_state, metric sums)."""
-    grad_fn = jax.grad(loss_terms, has_aux=True)
-    micro = _split_micro(mb, settings.microbatches)
-
-    def body(acc, one):
-        grads, (den, m) = grad_fn(params, graphdef, one, settings)
-        g_acc, den_acc, m_acc = acc
-        return (jax.tree.map(jnp.add, g_acc, grads), den_acc + den,
-                jax.tree.map(jnp.add, m_acc, m)), None
-
-    first = jax.tree.map(lambda x: x[0], micro)
-    zeros_m = jax.tree.map(jnp.zeros_like, jax.eval_shape(
-        lambda: loss_terms(params, graphdef, first, settings)[1][1]))
-    init = (jax.tree.map(jnp.zeros_like, params), jnp.float32(0.0), zeros_m)
-    (g_sum, den, m), _ = jax.lax.scan(body, init, micro)
-    grads = jax.tree.map(lambda g: g / jnp.maximum(den, 1.0), g_sum)
-    params, opt_state, gnorm, finite = apply_update(tx, params, opt_state, grads)
-    m["grad_norm"] = gnorm
-    m["skipped"] = 1.0 - finite.astype(jnp.float32)
-    return params, opt_state, m
+    terms = lambda p, one: loss_terms(p, graphdef, one, settings)
+    return accumulated_update(terms, params, opt_state, mb, settings.microbatches, tx)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "spec"))

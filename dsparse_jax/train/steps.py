@@ -8,7 +8,6 @@ argument, so new weights never recompile.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +66,43 @@ def apply_update(tx, params, opt_state, grads):
     new_params = optax.apply_updates(params, updates)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     return keep(new_params, params), keep(new_opt, opt_state), gnorm, finite
+
+
+def split_microbatches(mb: dict, n: int) -> dict:
+    """[B, ...] arrays -> [n, B / n, ...] (clear error when B is not divisible)."""
+    def split(x):
+        if x.shape[0] % n:
+            raise ValueError(f"minibatch of {x.shape[0]} rows is not divisible into {n} "
+                             "microbatches (rl.microbatches)")
+        return x.reshape(n, x.shape[0] // n, *x.shape[1:])
+    return jax.tree.map(split, mb)
+
+
+def accumulated_update(terms_fn, wrt, opt_state, mb: dict, microbatches: int, tx):
+    """One optimizer step of `wrt` on a minibatch split into microbatches.
+
+    terms_fn(wrt, microbatch) -> (numerator, (denominator, metric sums)). Gradients of the
+    numerators and the denominators are summed over microbatches and divided once, so the
+    step equals the full-minibatch step for any microbatch count (up to float rounding).
+    Returns (wrt, opt_state, metric sums + grad_norm + skipped)."""
+    grad_fn = jax.grad(terms_fn, has_aux=True)
+    micro = split_microbatches(mb, microbatches)
+
+    def body(acc, one):
+        grads, (den, m) = grad_fn(wrt, one)
+        g_acc, den_acc, m_acc = acc
+        return (jax.tree.map(jnp.add, g_acc, grads), den_acc + den,
+                jax.tree.map(jnp.add, m_acc, m)), None
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    zeros_m = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: terms_fn(wrt, first)[1][1]))
+    init = (jax.tree.map(jnp.zeros_like, wrt), jnp.float32(0.0), zeros_m)
+    (g_sum, den, m), _ = jax.lax.scan(body, init, micro)
+    grads = jax.tree.map(lambda g: g / jnp.maximum(den, 1.0), g_sum)
+    wrt, opt_state, gnorm, finite = apply_update(tx, wrt, opt_state, grads)
+    m["grad_norm"] = gnorm
+    m["skipped"] = 1.0 - finite.astype(jnp.float32)
+    return wrt, opt_state, m
 
 
 # ---------------------------------------------------------------------------------- SFT

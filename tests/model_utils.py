@@ -1,0 +1,33 @@
+"""Shared test helper: random model weights drawn with numpy (no eager-init compiles)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsparse_jax.model.transformer import Transformer
+
+
+def random_params(cfg, seed=0, *, model_cls=Transformer, embed_std=1.0, norm_scale=0.3):
+    """(graphdef, state) of `model_cls(cfg)` with N(0, 1/fan_in) weights, embeddings of std
+    embed_std / sqrt(d_model), and non-zero norm scales (std norm_scale) so the (1 + scale)
+    convention is exercised."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: model_cls(cfg, nnx.Rngs(0))))
+    rng = np.random.default_rng(seed)
+
+    def init(path, x):
+        name = path[-1].key
+        if name == "scale":
+            v = rng.normal(size=x.shape) * norm_scale
+        elif name == "embed":
+            v = rng.normal(size=x.shape) * embed_std / math.sqrt(cfg.d_model)
+        else:
+            fan_in = x.shape[0] * x.shape[1] if name == "o" else x.shape[0]
+            v = rng.normal(size=x.shape) / math.sqrt(fan_in)
+        return jnp.asarray(v, x.dtype)
+
+    nnx.replace_by_pure_dict(
+        state, jax.tree_util.tree_map_with_path(init, nnx.to_pure_dict(state)))
+    return graphdef, state
