@@ -97,9 +97,10 @@ def page_scores(policy: str, summaries: dict, q_BxKxGxH, pos_B, page_size: int):
     count = jnp.clip(pos_B[:, None] + 1 - start[None], 1, page_size)  # [B, P]
     return jnp.einsum("bkh,bkph->bkp", q, ksum) / count[:, None, :]
   if policy == "quest":
-    lo = q[:, :, None, :] * summaries["kmin"]
-    hi = q[:, :, None, :] * summaries["kmax"]
-    return jnp.maximum(lo, hi).sum(-1)
+    # sum_i max(q_i m_i, q_i M_i) with m <= M is sum_i (q_i > 0 ? q_i M_i : q_i m_i):
+    # the same products, as two dot products instead of two [B, K, P, H] temporaries.
+    return (jnp.einsum("bkh,bkph->bkp", jnp.maximum(q, 0.0), summaries["kmax"])
+            + jnp.einsum("bkh,bkph->bkp", jnp.minimum(q, 0.0), summaries["kmin"]))
   raise ValueError(f"policy {policy!r} has no page scores")
 
 
@@ -111,15 +112,14 @@ def select_pages(spec: SparseSpec, summaries: dict, q_BxKxGxH, pos_B, page_size:
   decreasing score; slots past the budget (or past the number of existing pages) hold
   NO_PAGE. When the budget covers every existing page, every page is selected.
   """
-  b, kv = q_BxKxGxH.shape[:2]
+  kv = q_BxKxGxH.shape[1]
   cur_B = pos_B // page_size
+  if spec.policy == "streaming":
+    return _streaming_pages(spec, pos_B, page_size, kv, num_pages)
   page = jnp.arange(num_pages)[None, :]
   exists = page <= cur_B[:, None]
   reserved = (page < spec.sink_pages) | (page > cur_B[:, None] - spec.recent_pages)
-  if spec.policy == "streaming":
-    scores = jnp.broadcast_to(page.astype(jnp.float32), (b, kv, num_pages))
-  else:
-    scores = page_scores(spec.policy, summaries, q_BxKxGxH, pos_B, page_size)
+  scores = page_scores(spec.policy, summaries, q_BxKxGxH, pos_B, page_size)
   scores = jnp.where(reserved[:, None], jnp.inf, scores)
   scores = jnp.where(exists[:, None], scores, -jnp.inf)
   k = min(spec.max_pages, num_pages)
@@ -127,6 +127,32 @@ def select_pages(spec: SparseSpec, summaries: dict, q_BxKxGxH, pos_B, page_size:
   n_read = jnp.minimum(budget_for(spec, pos_B + 1), cur_B + 1)  # [B]
   slot = jnp.arange(k)[None, None, :]
   ids = jnp.where(slot < n_read[:, None, None], ids, NO_PAGE).astype(jnp.int32)
+  if k < spec.max_pages:
+    ids = jnp.pad(ids, ((0, 0), (0, 0), (0, spec.max_pages - k)), constant_values=NO_PAGE)
+  return ids
+
+
+def _streaming_pages(spec: SparseSpec, pos_B, page_size: int, kv_heads: int,
+                     num_pages: int):
+  """select_pages for the streaming policy in closed form (no scores, no top_k).
+
+  Streaming ranks the existing pages by index with the reserved ones on top, so the
+  top-k order is: the reserved pages in increasing index (sink pages, then the recent
+  ones up to the current page), then the other existing pages from the newest down;
+  slots past the budget (never past the existing pages) hold NO_PAGE.
+  """
+  cur = (pos_B // page_size)[:, None]  # [B, 1]
+  k = min(spec.max_pages, num_pages)
+  slot = jnp.arange(k)[None, :]  # [1, k]
+  n_sink = jnp.minimum(spec.sink_pages, cur + 1)  # existing sink pages
+  first_recent = jnp.maximum(spec.sink_pages, cur - spec.recent_pages + 1)
+  n_reserved = n_sink + jnp.maximum(cur - first_recent + 1, 0)
+  ids = jnp.where(slot < n_sink, slot,
+                  jnp.where(slot < n_reserved, first_recent + (slot - n_sink),
+                            cur - spec.recent_pages - (slot - n_reserved)))
+  n_read = jnp.minimum(budget_for(spec, pos_B + 1)[:, None], cur + 1)
+  ids = jnp.where(slot < n_read, ids, NO_PAGE).astype(jnp.int32)
+  ids = jnp.broadcast_to(ids[:, None, :], (ids.shape[0], kv_heads, k))
   if k < spec.max_pages:
     ids = jnp.pad(ids, ((0, 0), (0, 0), (0, spec.max_pages - k)), constant_values=NO_PAGE)
   return ids
