@@ -80,7 +80,9 @@ def parse_args(argv=None):
   p.add_argument("--skip_throughput", action="store_true")
   p.add_argument("--skip_steps", action="store_true")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--out", default="", help="also write the JSON here")
+  p.add_argument("--out", default="",
+                 help="also write the JSON here (throughput rows are also saved to "
+                      "<out>.partial as they are measured)")
   args = p.parse_args(argv)
   if args.quick:
     args.batch, args.prompt_len, args.gen_lens = 8, 32, "128"
@@ -120,7 +122,7 @@ def git_rev():
 
 
 # ----------------------------------------------------------------------------- part 1
-def bench_throughput(model, args, configs, gen_lens):
+def bench_throughput(model, args, configs, gen_lens, checkpoint=lambda rows: None):
   import jax
   import jax.numpy as jnp
   from flax import nnx
@@ -179,6 +181,7 @@ def bench_throughput(model, args, configs, gen_lens):
       elif dense_tps:
         row["sparse_over_dense"] = row["tokens_per_s"] / dense_tps
       rows.append(row)
+      checkpoint(rows)
       log(f"[throughput] gen={n} {name}: {row['tokens_per_s']:.0f} tok/s, "
           f"compile {row['compile_s']:.1f} s"
           + (f", x{row['sparse_over_dense']:.2f} vs dense" if "sparse_over_dense" in row
@@ -372,7 +375,13 @@ def main(argv=None):
       "configs": configs,
   }
   log(f"[bench] {meta['command']} | configs {configs}")
-  throughput = [] if args.skip_throughput else bench_throughput(model, args, configs, gen_lens)
+  def checkpoint(rows):  # partial results survive an interrupted run
+    if args.out:
+      with open(args.out + ".partial", "w") as f:
+        json.dump({"meta": meta, "throughput": rows, "partial": True}, f, indent=1)
+
+  throughput = ([] if args.skip_throughput
+                else bench_throughput(model, args, configs, gen_lens, checkpoint))
   steps = [] if args.skip_steps else bench_steps(model, args, configs, contexts)
   meta["loadavg_end"] = os.getloadavg()
   meta["wall_s"] = time.time() - t_start
@@ -382,6 +391,8 @@ def main(argv=None):
   if args.out:
     with open(args.out, "w") as f:
       f.write(text + "\n")
+    if os.path.exists(args.out + ".partial"):
+      os.remove(args.out + ".partial")
   print(text)
   log(f"[bench] done in {meta['wall_s']:.0f} s")
 
