@@ -36,13 +36,6 @@ def _gather_rows(x_BxKxSxH, rows_BxKxP, page_size: int):
   return out.reshape(b, kv, p * page_size, h)
 
 
-def gather_pages(x_BxKxSxH, page_ids_BxKxP, page_size: int):
-  """[B, K, P, page_size, H] slabs of the cache at the given page ids (NO_PAGE -> page 0)."""
-  b, kv, s, h = x_BxKxSxH.shape
-  rows = _page_rows(page_ids_BxKxP, s // page_size)
-  return _gather_rows(x_BxKxSxH, rows, page_size).reshape(b, kv, -1, page_size, h)
-
-
 def sparse_decode_attention(q_BxNxH, k_BxKxSxH, v_BxKxSxH, pos_B, page_ids_BxKxP,
                             layer: LayerInfo, page_size: int):
   """Decode attention restricted to the selected pages (global layers: no window)."""
