@@ -3,12 +3,52 @@
 The model hands q/k/v (or the cache), positions and a static AttentionSpec; which
 implementation runs (XLA reference, Pallas TPU, Triton GPU) and whether decode is sparse
 is decided here from the spec, never in the model.
+
+Dispatch by `spec.impl` (see docs/kernels.md):
+  xla         the plain-JAX reference everywhere (any platform);
+  pallas_tpu  the Pallas kernels for the sparse layers (block-sparse decode, and the
+              teacher-forced sparse forward + backward); compiled with Mosaic on TPU,
+              run in Pallas interpret mode on any other platform (`interpret` below);
+  triton_gpu  the jax-triton split-K decode kernel for sparse decode on GPU; the
+              teacher-forced sparse forward uses the XLA reference there (documented
+              fallback); needs the GPU extras, else a clear error at trace time;
+  auto        by platform: TPU -> pallas_tpu, GPU -> triton_gpu when triton and
+              jax-triton import (else xla), anything else (CPU) -> xla.
+Dense layers and prefill always use the XLA reference. The kernel modules are imported
+on first use, so optional packages never break `import dsparse_jax`.
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
+
 from dsparse_jax.attention import dense, selection, sparse
 from dsparse_jax.attention.spec import AttentionSpec, LayerInfo
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_kernels_available() -> bool:
+  from pallas_kernels import triton_decode
+  return triton_decode.triton_available()
+
+
+def resolve_impl(impl: str, platform: str | None = None) -> str:
+  """The implementation that runs for `impl` on `platform` (default: jax's backend)."""
+  if impl != "auto":
+    return impl
+  platform = platform or jax.default_backend()
+  if platform == "tpu":
+    return "pallas_tpu"
+  if platform == "gpu" and _gpu_kernels_available():
+    return "triton_gpu"
+  return "xla"
+
+
+def interpret_mode() -> bool:
+  """Pallas TPU kernels compile with Mosaic on TPU and run interpreted elsewhere."""
+  return jax.default_backend() != "tpu"
 
 
 def attend_sequence(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer: LayerInfo,
@@ -22,9 +62,31 @@ def attend_sequence(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer: LayerInfo,
   allowed = None
   if pages is not None and spec.is_sparse_layer(layer):
     page_ids, sparse_query = pages
+    if resolve_impl(spec.impl) == "pallas_tpu":
+      from pallas_kernels import sparse_train
+      return sparse_train.sparse_sequence_attention(
+          q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer, page_ids, sparse_query, spec.page_size,
+          interpret=interpret_mode())
     allowed = selection.allowed_key_mask(page_ids, sparse_query, q_BxTxNxH.shape[1],
                                          spec.page_size)
   return dense.sequence_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer, allowed)
+
+
+def sparse_decode(q_BxNxH, k_BxKxSxH, v_BxKxSxH, pos_B, page_ids_BxKxP, layer: LayerInfo,
+                  spec: AttentionSpec):
+  """Block-sparse decode attention over the selected pages, by implementation."""
+  impl = resolve_impl(spec.impl)
+  if impl == "pallas_tpu":
+    from pallas_kernels import sparse_decode
+    return sparse_decode.sparse_decode_attention(
+        q_BxNxH, k_BxKxSxH, v_BxKxSxH, pos_B, page_ids_BxKxP, layer, spec.page_size,
+        interpret=interpret_mode())
+  if impl == "triton_gpu":
+    from pallas_kernels import triton_decode
+    return triton_decode.sparse_decode_attention(
+        q_BxNxH, k_BxKxSxH, v_BxKxSxH, pos_B, page_ids_BxKxP, layer, spec.page_size)
+  return sparse.sparse_decode_attention(q_BxNxH, k_BxKxSxH, v_BxKxSxH, pos_B,
+                                        page_ids_BxKxP, layer, spec.page_size)
 
 
 def attend_decode(q_BxNxH, cache: dict, pos_B, layer: LayerInfo, spec: AttentionSpec):
@@ -37,6 +99,5 @@ def attend_decode(q_BxNxH, cache: dict, pos_B, layer: LayerInfo, spec: Attention
   q_BxKxGxH = q_BxNxH.reshape(b, kv, n // kv, h)
   page_ids = selection.select_pages(spec.sparse, cache, q_BxKxGxH, pos_B, spec.page_size,
                                     s // spec.page_size)
-  out = sparse.sparse_decode_attention(q_BxNxH, cache["k"], cache["v"], pos_B, page_ids,
-                                       layer, spec.page_size)
+  out = sparse_decode(q_BxNxH, cache["k"], cache["v"], pos_B, page_ids, layer, spec)
   return out, page_ids
