@@ -10,12 +10,17 @@ from dsparse_jax.data.tokenizer import Tokenizer
 
 
 def prompt_buffer(task: ChainTaskConfig) -> int:
-    """Static prompt width: BOS + the longest prompt."""
+    """Static prompt width: BOS + the longest prompt (a DatasetTask: its configured width)."""
+    if not isinstance(task, ChainTaskConfig):
+        return task.prompt_buffer()
     return 1 + max_prompt_chars(task)
 
 
 def completion_budget(task: ChainTaskConfig) -> int:
-    """Tokens a complete answer needs: the longest solution + EOS."""
+    """Tokens a complete answer needs: the longest solution + EOS (a DatasetTask: its
+    configured generation length)."""
+    if not isinstance(task, ChainTaskConfig):
+        return task.completion_budget()
     return max_solution_chars(task) + 1
 
 

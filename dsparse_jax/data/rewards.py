@@ -4,6 +4,7 @@ Answer rule: the first line of the completion that starts with "answer:" is the
 answer line; it is well formed when the rest of that line, with spaces removed
 from both ends, is 1 to 32 ASCII digits. Later answer lines and any text after
 the first one are ignored. Answers are compared as strings: "05" != "5".
+Real datasets (sources.MathProblem, grader "math") are graded by answer_check.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dsparse_jax.data import answer_check
 from dsparse_jax.data.math_task import ANSWER_PREFIX
 
 _KEY = ANSWER_PREFIX.strip()  # "answer:"
@@ -40,10 +42,23 @@ def chain_reward(completion: str, answer: str, format_reward: float = 0.0) -> fl
     return 1.0 if got == str(answer).strip() else float(format_reward)
 
 
+def reward(completion: str, answer: str, grader: str = "chain",
+           format_reward: float = 0.0) -> float:
+    """The reward of one completion: grader "chain" (this task's answer line) or "math"
+    (\\boxed / #### answers graded by answer_check, for real datasets)."""
+    if grader == "chain":
+        return chain_reward(completion, answer, format_reward)
+    if grader == "math":
+        return answer_check.math_reward(completion, answer, format_reward)
+    raise ValueError(f"unknown grader {grader!r}: chain | math")
+
+
 def batch_rewards(completions: Sequence[str], answers: Sequence[str],
-                  format_reward: float = 0.0) -> np.ndarray:
-    """`chain_reward` of each (completion, answer) pair, float32 [B]."""
+                  format_reward: float = 0.0,
+                  graders: Sequence[str] | None = None) -> np.ndarray:
+    """`reward` of each (completion, answer[, grader]) triple, float32 [B]."""
     if len(completions) != len(answers):
         raise ValueError(f"got {len(completions)} completions for {len(answers)} answers")
-    return np.array([chain_reward(c, a, format_reward)
-                     for c, a in zip(completions, answers)], dtype=np.float32)
+    graders = ["chain"] * len(answers) if graders is None else list(graders)
+    return np.array([reward(c, a, g, format_reward)
+                     for c, a, g in zip(completions, answers, graders)], dtype=np.float32)

@@ -162,3 +162,131 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+
+
+# ------------------------------------------------------------------ experiment helpers
+# (launch/experiment.py / launch/results.py: figures of a multi-run experiment)
+def plot_bins(workdirs: list[str], out_dir: str, labels: list[str] | None = None) -> list[str]:
+    """kl_bins.png and alpha_bins.png (early vs late per completion-position bin) of only
+    these runs, e.g. naive sparse vs DistillSparse. Returns the paths written."""
+    runs = [load_run(w) for w in workdirs]
+    for run, label in zip(runs, labels or []):
+        run["label"] = label
+    os.makedirs(out_dir, exist_ok=True)
+    kl, alpha = os.path.join(out_dir, "kl_bins.png"), os.path.join(out_dir, "alpha_bins.png")
+    _bins_figure(runs, ["kl_exact"], kl, "KL(sparse || dense)")
+    _bins_figure(runs, ["alpha_p5", "alpha_mean"], alpha, "acceptance alpha")
+    return [kl, alpha]
+
+
+def _mean_std_by_step(runs: list[dict], phase: str, key: str):
+    by_step = {}
+    for run in runs:
+        for x, y in zip(*_series(run[phase], key)):
+            by_step.setdefault(x, []).append(y)
+    steps = sorted(by_step)
+    means = [sum(by_step[s]) / len(by_step[s]) for s in steps]
+    stds = []
+    for s, m in zip(steps, means):
+        v = by_step[s]
+        stds.append(math.sqrt(sum((y - m) ** 2 for y in v) / (len(v) - 1)) if len(v) > 1 else 0.0)
+    return steps, means, stds
+
+
+def plot_seed_spread(groups: dict[str, list[str]], path: str,
+                     panels=(("eval", "greedy_accuracy", "held-out greedy accuracy"),
+                             ("rl", "reward", "rollout reward"),
+                             ("rl", "kl_exact", "KL(sparse || dense) per token"))) -> str:
+    """One line per group (label -> the workdirs of its seeds): the mean over seeds per
+    step with a +- 1 sample-std band. Returns the path written."""
+    loaded = {label: [load_run(w) for w in wds] for label, wds in groups.items()}
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.6), squeeze=False)
+    for ax, (phase, key, title) in zip(axes[0], panels):
+        for gi, (label, runs) in enumerate(loaded.items()):
+            x, m, s = _mean_std_by_step(runs, phase, key)
+            if not x:
+                continue
+            color = f"C{gi % 10}"
+            ax.plot(x, m, "-o", markersize=3, color=color, label=f"{label} (n={len(runs)})")
+            ax.fill_between(x, [a - b for a, b in zip(m, s)], [a + b for a, b in zip(m, s)],
+                            color=color, alpha=0.2)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_throughput(workdirs: list[str], path: str, bars: dict[str, tuple] | None = None,
+                    skip_first: bool = True) -> str:
+    """Rollout tokens/s and time per RL step vs step (one line per run; skip_first drops
+    step 1, whose times include the compile), and optionally a bar chart
+    bars = {label: (mean tokens/s, spread)}. Returns the path written."""
+    runs = [load_run(w) for w in workdirs]
+    if skip_first:
+        for run in runs:
+            run["rl"] = [r for r in run["rl"] if r["step"] >= 2] or run["rl"]
+    ncols = 3 if bars else 2
+    fig, axes = plt.subplots(1, ncols, figsize=(5.2 * ncols, 3.6), squeeze=False)
+    _panel(axes[0, 0], runs, "rl", [("rollout_tokens_per_s", "-")], "rollout tokens/s")
+    _panel(axes[0, 1], runs, "rl", [("time_step", "-")], "time per RL step (s)")
+    if bars:
+        ax = axes[0, 2]
+        labels = list(bars)
+        ax.bar(range(len(labels)), [bars[k][0] for k in labels],
+               yerr=[bars[k][1] for k in labels], color=[f"C{i % 10}" for i in range(len(labels))],
+               capsize=3)
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
+        ax.set_title("rollout tokens/s (median over steps >= 2)")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _panel_by_run(ax, runs, phase, keys, title):
+    """Like _panel, but one colour per run and one line style per key."""
+    styles = ["-", "--", ":", "-."]
+    for ri, run in enumerate(runs):
+        for ki, key in enumerate(keys):
+            x, y = _series(run[phase], key)
+            if x:
+                label = run["label"] + ("" if len(keys) == 1 else f" {key}")
+                ax.plot(x, y, styles[ki % len(styles)], color=f"C{ri % 10}", marker="o",
+                        markersize=2.5, label=label)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    if ax.lines:
+        ax.legend(fontsize=6)
+
+
+def plot_curves(workdirs: list[str], path: str,
+                panels=(("eval", ("greedy_accuracy", "sparse_greedy_accuracy"),
+                         "held-out greedy accuracy: dense policy (solid) / actor (dashed)"),
+                        ("eval", ("mean_at_2", "mean_at_4"), "held-out mean@k"),
+                        ("rl", ("reward",), "rollout reward (all generated samples)"),
+                        ("rl", ("response_length_mean",), "response length")),
+                labels: list[str] | None = None) -> str:
+    """Accuracy / reward curves of several runs, one colour per run (every mode in one
+    figure stays readable). Returns the path written."""
+    runs = [load_run(w) for w in workdirs]
+    for run, label in zip(runs, labels or []):
+        run["label"] = label
+    ncols = 2
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(11, 3.6 * nrows), squeeze=False)
+    for ax, (phase, keys, title) in zip(axes.flat, panels):
+        _panel_by_run(ax, runs, phase, list(keys), title)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

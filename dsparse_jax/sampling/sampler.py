@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from dsparse_jax.attention.spec import AttentionSpec
+from dsparse_jax.train import sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,11 +141,12 @@ class Sampler:
     s = buffer_length(l, cfg.max_new_tokens, spec.page_size)
     run = dict(spec=spec, lora=lora, lora_scale=lora_scale)
 
-    caches = model.init_cache(b0, s, spec)
+    # On a mesh: caches batch over data x fsdp, KV heads over tensor (train/sharding.py).
+    caches = sharding.constrain_cache(model.init_cache(b0, s, spec))
     logits, caches = model.prefill(prompts_BxL, prompt_len_B, caches, **run)
     if n > 1:  # one prefill serves the n samples of each prompt
       rep = lambda x: jnp.repeat(x, n, axis=0)
-      logits, caches = rep(logits), jax.tree.map(rep, caches)
+      logits, caches = rep(logits), sharding.constrain_cache(jax.tree.map(rep, caches))
       prompts_BxL, prompt_len_B = rep(prompts_BxL), rep(prompt_len_B)
     b = b0 * n
     rows = jnp.arange(b)
@@ -208,9 +210,9 @@ class Sampler:
 
 def completion_view(rollout: Rollout, pad_id: int):
   """Completions left-aligned: int32 [B, max_new] (pad after each completion's end)."""
-  tokens = jax.device_get(rollout.tokens)
-  starts = jax.device_get(rollout.prompt_lengths)
-  ncomp = jax.device_get(rollout.completion_lengths)
+  tokens = sharding.to_host(rollout.tokens)  # all-gathers rows held by other hosts
+  starts = sharding.to_host(rollout.prompt_lengths)
+  ncomp = sharding.to_host(rollout.completion_lengths)
   width = int(ncomp.max()) if len(ncomp) else 0
   out = np.full((tokens.shape[0], max(width, 1)), pad_id, np.int32)
   for i, (st, c) in enumerate(zip(starts, ncomp)):

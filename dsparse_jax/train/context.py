@@ -1,16 +1,26 @@
-"""Everything a run builds once from its config: task, tokenizer, model graph, sampler."""
+"""Everything a run builds once from its config: task, tokenizer, model graph, sampler.
+
+The task comes from config.data.source (default synthetic:chain, the embedded task with
+its char tokenizer and a random init); a real dataset (jsonl: / parquet: / tfds:) uses a
+Gemma tokenizer.model (config.tokenizer.path, default <model.checkpoint_dir>/tokenizer.model)
+and, with model.checkpoint_dir set, shapes and weights from a Hugging Face checkpoint.
+docs/real_models.md.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 from flax import nnx
 
 from dsparse_jax.attention.spec import AttentionSpec, SparseSpec
-from dsparse_jax.data import batches
-from dsparse_jax.data.math_task import ChainTaskConfig, build_tokenizer, problems
+from dsparse_jax.data import batches, sources
+from dsparse_jax.data.gemma_tokenizer import GemmaTokenizer
+from dsparse_jax.data.math_task import ChainTaskConfig, build_tokenizer
 from dsparse_jax.data.tokenizer import Tokenizer
+from dsparse_jax.model import hf_checkpoint
 from dsparse_jax.model.config import ModelConfig, preset
 from dsparse_jax.model.lora import LoRAConfig, parse_targets
 from dsparse_jax.model.transformer import Transformer
@@ -21,7 +31,7 @@ from dsparse_jax.train.evaluation import Evaluator
 @dataclasses.dataclass
 class RunContext:
     config: object  # the ml_collections ConfigDict
-    task: ChainTaskConfig
+    task: ChainTaskConfig | sources.DatasetTask
     tok: Tokenizer
     model_cfg: ModelConfig
     graphdef: object
@@ -44,23 +54,61 @@ class RunContext:
 
 def model_config(config, vocab_size: int) -> ModelConfig:
     m = config.model
-    overrides = {k: m[k] for k in m.keys() if k != "preset"}
+    overrides = {k: m[k] for k in m.keys() if k not in ("preset", "checkpoint_dir")}
     return preset(m.preset, vocab_size=vocab_size, **overrides)
 
 
+def _data_task(config):
+    """(task, tokenizer) of config.data.source."""
+    scheme, target = sources.parse_uri(config.get("data", {}).get("source", "synthetic:chain"))
+    if scheme == "synthetic":
+        if target != "chain":
+            raise ValueError(f"config.data.source: unknown synthetic task {target!r} (chain)")
+        task = ChainTaskConfig(num_vars=config.task.num_vars, num_terms=config.task.num_terms,
+                               name_digits=config.task.name_digits)
+        return task, build_tokenizer(task, config.seed)
+    if config.sft.get("enabled", True):
+        raise ValueError("config.sft.enabled: the SFT warm start is for the synthetic task "
+                         "only; real datasets start RL from a checkpoint (sft.enabled=False)")
+    d, ckpt = config.data, config.model.get("checkpoint_dir", "")
+    path = config.tokenizer.path or (os.path.join(ckpt, "tokenizer.model") if ckpt else "")
+    if not path:
+        raise ValueError("config.tokenizer.path: a real dataset needs a Gemma tokenizer.model")
+    tok = GemmaTokenizer.load(path, chat=config.tokenizer.chat)
+    scfg = sources.SourceConfig(
+        question_field=d.question_field, answer_field=d.answer_field,
+        solution_field=d.solution_field, instruction=d.instruction, chat=config.tokenizer.chat,
+        max_prompt_tokens=d.max_prompt_tokens, overlong=d.overlong,
+        max_bad_fraction=d.max_bad_fraction, data_dir=d.data_dir, split=d.split)
+    task = sources.build_task(d.source, d.eval_source, scfg, tok, config.eval.num_problems,
+                              d.max_new_tokens, config.seed, eval_split=d.eval_split)
+    return task, tok
+
+
+def _model(config, tok):
+    """(model config, graphdef, params): imported from model.checkpoint_dir, else random."""
+    ckpt = config.model.get("checkpoint_dir", "")
+    if not ckpt:
+        model_cfg = model_config(config, tok.vocab_size)
+        return (model_cfg, *nnx.split(Transformer(model_cfg, nnx.Rngs(config.seed))))
+    model_cfg = hf_checkpoint.load_model_config(ckpt, param_dtype=config.model.param_dtype,
+                                                dtype=config.model.dtype)
+    if tok.vocab_size > model_cfg.vocab_size:
+        raise ValueError(f"tokenizer has {tok.vocab_size} pieces, more than the checkpoint's "
+                         f"vocab_size {model_cfg.vocab_size}")
+    graphdef, _ = hf_checkpoint.abstract_params(model_cfg)
+    return model_cfg, graphdef, hf_checkpoint.load_params(ckpt, model_cfg)
+
+
 def build(config) -> RunContext:
-    task = ChainTaskConfig(num_vars=config.task.num_vars, num_terms=config.task.num_terms,
-                           name_digits=config.task.name_digits)
-    tok = build_tokenizer(task, config.seed)
-    model_cfg = model_config(config, tok.vocab_size)
-    model = Transformer(model_cfg, nnx.Rngs(config.seed))
-    graphdef, params = nnx.split(model)
+    task, tok = _data_task(config)
+    model_cfg, graphdef, params = _model(config, tok)
     spec = AttentionSpec(impl=config.attention.impl, page_size=config.attention.page_size)
     # Built in every mode (cheap, static); rl_loop.make_setup picks what the mode uses.
     rollout_spec = dataclasses.replace(spec, sparse=sparse_spec(config))
     lora_cfg = lora_config(config)
     sampler = Sampler(graphdef)
-    eval_problems = problems(task, "eval", 0, config.eval.num_problems, config.seed)
+    eval_problems = sources.problems(task, "eval", 0, config.eval.num_problems, config.seed)
     evaluator = Evaluator(sampler, tok, task, eval_problems, spec)
     return RunContext(config=config, task=task, tok=tok, model_cfg=model_cfg,
                       graphdef=graphdef, init_params=params, spec=spec, sampler=sampler,

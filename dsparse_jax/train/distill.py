@@ -33,6 +33,7 @@ import numpy as np
 
 from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.rl import losses, mismatch
+from dsparse_jax.train import sharding
 from dsparse_jax.train.steps import accumulated_update, token_logprobs
 
 KL_KINDS = ("k1", "k2", "k3", "exact_reverse", "exact_forward")
@@ -204,4 +205,6 @@ def phi_update(lora, opt_state, mb: dict, params, teacher_params=None, *, graphd
         raise ValueError(f"distill.kl={settings.kl} needs teacher_params")
     terms = lambda phi, one: phi_loss_terms(phi, params, graphdef, one, settings,
                                             teacher_params)  # d/d(phi) only
-    return accumulated_update(terms, lora, opt_state, mb, settings.microbatches, tx)
+    mb = sharding.constrain_batch(mb)  # on a mesh: outputs pinned to the rules (sharding.py)
+    return sharding.constrain_update(
+        accumulated_update(terms, lora, opt_state, mb, settings.microbatches, tx))

@@ -21,7 +21,8 @@ def score(tok: Tokenizer, rollout, problems: list[Problem], format_reward: float
     texts = decode_completions(tok, rollout)
     reps = len(texts) // len(problems)
     answers = [p.answer for p in problems for _ in range(reps)]
-    return rewards.batch_rewards(texts, answers, format_reward), texts
+    graders = [getattr(p, "grader", "chain") for p in problems for _ in range(reps)]
+    return rewards.batch_rewards(texts, answers, format_reward, graders), texts
 
 
 class Evaluator:

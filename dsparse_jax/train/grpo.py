@@ -19,6 +19,7 @@ import jax
 
 from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.rl import losses
+from dsparse_jax.train import sharding
 from dsparse_jax.train.steps import accumulated_update, token_logprobs
 
 
@@ -60,7 +61,9 @@ def loss_terms(params, graphdef, mb: dict, s: GRPOSettings):
 def grpo_update(params, opt_state, mb: dict, *, graphdef, tx, settings: GRPOSettings):
     """One optimizer step on a minibatch. Returns (params, opt_state, metric sums)."""
     terms = lambda p, one: loss_terms(p, graphdef, one, settings)
-    return accumulated_update(terms, params, opt_state, mb, settings.microbatches, tx)
+    mb = sharding.constrain_batch(mb)  # on a mesh: outputs pinned to the rules (sharding.py)
+    return sharding.constrain_update(
+        accumulated_update(terms, params, opt_state, mb, settings.microbatches, tx))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "spec"))

@@ -41,28 +41,46 @@ class MetricsWriter:
 
     def drop_after(self, phase: str, step: int) -> None:
         """Forget records of `phase` past `step` (metrics of work lost in a crash, which a
-        resumed run will redo)."""
+        resumed run will redo), and any line a kill cut short. The rewrite is atomic."""
         if not os.path.exists(self.path):
             return
         with open(self.path) as f:
             lines = [l for l in f if l.strip()]
-        keep = [l for l in lines
-                if not (json.loads(l)["phase"] == phase and json.loads(l)["step"] > step)]
-        if len(keep) != len(lines):
-            with open(self.path, "w") as f:
+        keep = []
+        for l in lines:
+            r = _parse(l)
+            if r is None:
+                print(f"[metrics] WARNING: dropping an unreadable line of {self.path}: "
+                      f"{l[:80]!r}", flush=True)
+            elif not (r["phase"] == phase and r["step"] > step):
+                keep.append(l if l.endswith("\n") else l + "\n")
+        if keep != lines:
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
                 f.writelines(keep)
+            os.replace(tmp, self.path)
 
     def close(self):
         if self._tb is not None:
             self._tb.close()
 
 
+def _parse(line: str) -> dict | None:
+    """A record, or None for a line that is not one (e.g. cut short by a kill)."""
+    try:
+        r = json.loads(line)
+    except ValueError:
+        return None
+    return r if isinstance(r, dict) and "phase" in r and "step" in r else None
+
+
 def read_metrics(workdir: str, phase: str | None = None) -> list[dict]:
+    """The records of metrics.jsonl (unreadable lines skipped)."""
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        records = [json.loads(l) for l in f if l.strip()]
+        records = [r for r in map(_parse, f) if r is not None]
     return [r for r in records if phase is None or r["phase"] == phase]
 
 

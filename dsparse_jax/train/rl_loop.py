@@ -13,10 +13,13 @@ Off-policy corrections (rl.is_correction: tis | mis, against the rollout's log-p
 compose with any mode. Mismatch metrics (trainer-side twin of the actor vs the dense
 policy, exact from full logits) are logged every step; see distill.py.
 
-Resumable: the checkpoint holds params, optimizer state, the RNG key, the step and the
-data position, and in distillsparse the LoRA tree and its optimizer state; a restart
-continues from the latest checkpoint in <workdir>/checkpoints and drops metrics of steps
-it is about to redo.
+Resumable: the checkpoint holds params, optimizer state, the RNG key (every step's
+rollout, filter and shuffle keys derive from it), the step, the data position and the
+count of consecutive skipped steps, and in distillsparse the LoRA tree and its optimizer
+state; a restart continues exactly from the newest usable checkpoint in
+<workdir>/checkpoints (corrupt ones are skipped) and drops metrics of steps it is about to
+redo. A non-finite loss or gradient skips the update; rl.max_consecutive_skips in a row
+halt the run. See docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -31,13 +34,13 @@ import numpy as np
 
 from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.data import batches
-from dsparse_jax.data.math_task import problems
+from dsparse_jax.data.sources import problems
 from dsparse_jax.model.lora import init_lora
 from dsparse_jax.rl import corrections, filtering
 from dsparse_jax.rl.advantages import grpo_advantages
 from dsparse_jax.rl.losses import combine_metrics
 from dsparse_jax.sampling.sampler import SamplingConfig
-from dsparse_jax.train import checkpoints, distill, steps
+from dsparse_jax.train import checkpoints, distill, faults, sharding, steps
 from dsparse_jax.train.context import RunContext
 from dsparse_jax.train.evaluation import score
 from dsparse_jax.train.grpo import GRPOSettings, grpo_update, recompute_logprobs
@@ -85,6 +88,7 @@ class RLSetup:
     lora_tx: object = None
     distill: distill.DistillSettings | None = None
     num_bins: int = 1
+    plan: sharding.MeshPlan | None = None  # the device mesh (None: one device, unsharded)
 
     @property
     def distilling(self) -> bool:
@@ -108,17 +112,24 @@ def make_setup(ctx: RunContext) -> RLSetup:
             kl=d.kl, kl_coef=d.kl_coef, clip_low=c.clip_low, clip_high=c.clip_high,
             dual_clip=c.dual_clip or None, loss_agg=c.loss_agg, microbatches=c.microbatches)
     bins = max(1, math.ceil(batches.completion_budget(ctx.task) / ctx.config.metrics.position_bin))
-    return RLSetup(mode=mode, n=n, m=m, tx=optimizer_from(c),
+    plan = sharding.plan_from_config(ctx.config)
+    sharding.check_rl_batches(plan, c)
+    return RLSetup(plan=plan, mode=mode, n=n, m=m, tx=optimizer_from(c),
                    settings=settings_from(c, trainer_spec), rollout_spec=rollout_spec,
                    twin_spec=None if mode == "dense" else rollout_spec, lora_scale=lora_scale,
                    lora_tx=lora_tx, distill=dset, num_bins=bins)
 
 
 def init_state(ctx: RunContext, setup: RLSetup, params) -> TrainState:
-    st = TrainState(params=params, opt_state=setup.tx.init(params))
+    # Onto the mesh; one device: committed to it, like restored checkpoints, so a resumed
+    # run compiles (and hits the compilation cache with) the same programs as a fresh one.
+    put = ((lambda t: jax.device_put(t, jax.devices()[0])) if setup.plan is None
+           else setup.plan.shard_state)
+    params = put(params)
+    st = TrainState(params=params, opt_state=put(setup.tx.init(params)))
     if setup.distilling:
-        st.lora = init_lora(ctx.model_cfg, ctx.lora_cfg, jax.random.key(ctx.config.seed + 3))
-        st.lora_opt_state = setup.lora_tx.init(st.lora)
+        st.lora = put(init_lora(ctx.model_cfg, ctx.lora_cfg, jax.random.key(ctx.config.seed + 3)))
+        st.lora_opt_state = put(setup.lora_tx.init(st.lora))
     return st
 
 
@@ -144,7 +155,9 @@ def evaluate(ctx: RunContext, setup: RLSetup, st: TrainState, step: int,
 
 
 # ---------------------------------------------------------------------------------- one step
-def _gather_rows(tree, rows):
+def _gather_rows(tree, rows, plan=None):
+    if plan is not None:  # one jitted gather on the mesh, rows batch-sharded
+        return plan.take_rows(tree, rows)
     return jax.tree.map(lambda x: x[rows], tree)
 
 
@@ -159,10 +172,10 @@ def _correction_terms(old_logp, rollout_logp, mask, cap, lo, hi):
         "mis_seq_masked_frac": mis_seq["mis_masked_frac"]}
 
 
-def _minibatch_updates(update, state, opt_state, batch, order, **kw):
+def _minibatch_updates(update, state, opt_state, batch, order, plan=None, **kw):
     ms = []
     for rows in order:
-        mb = jax.tree.map(lambda x: x[rows], batch)
+        mb = _gather_rows(batch, rows, plan)
         state, opt_state, m = update(state, opt_state, mb, **kw)
         ms.append(m)
     return state, opt_state, jax.device_get(ms)
@@ -228,13 +241,26 @@ def theta_batch(mode: str, kept, adv_B, dense_logp, twin_logp, c):
 
 def rl_step(ctx: RunContext, setup: RLSetup, st: TrainState, rng, step: int,
             ref_params=None):
-    """One RL iteration. Returns (new TrainState, metrics)."""
+    """One RL iteration. Returns (new TrainState, metrics). With a mesh (setup.plan) every
+    jitted phase runs under it; each process makes its own block of prompts."""
+    with sharding.maybe_active(setup.plan):
+        return _rl_step(ctx, setup, st, rng, step, ref_params)
+
+
+def _rl_step(ctx, setup, st, rng, step, ref_params):
     c = ctx.config.rl
     n, big_m, p = setup.n, setup.m, c.prompts_per_step
+    plan = setup.plan
+    if plan is not None:  # the same key on every process, replicated on the mesh
+        rng = plan.replicate(rng)
     k_roll, k_filter, k_shuffle, k_phi = jax.random.split(rng, 4)
-    batch_problems = problems(ctx.task, "train", RL_DATA_OFFSET + step * p, p, ctx.config.seed)
+    mine = slice(0, p) if plan is None else plan.local_slice(p)  # this process's prompts
+    batch_problems = problems(ctx.task, "train", RL_DATA_OFFSET + step * p + mine.start,
+                              mine.stop - mine.start, ctx.config.seed)
     prompts, lengths = batches.encode_prompts(ctx.tok, batch_problems,
                                               batches.prompt_buffer(ctx.task))
+    if plan is not None:  # one global batch-sharded array from every process's rows
+        prompts, lengths = plan.global_batch(prompts), plan.global_batch(lengths)
     scfg = SamplingConfig(max_new_tokens=batches.completion_budget(ctx.task),
                           eos_id=ctx.tok.eos_id, pad_id=ctx.tok.pad_id,
                           temperature=c.temperature, samples_per_prompt=big_m)
@@ -254,10 +280,15 @@ def rl_step(ctx: RunContext, setup: RLSetup, st: TrainState, rng, step: int,
                           setup.lora_scale)
     jax.block_until_ready(rollout.tokens)
     times["time_rollout"] = time.time() - t
+    faults.maybe_kill("rl_rollout", step + 1)
 
     # 2. rewards of all M.
     t = time.time()
-    rewards_all, _ = score(ctx.tok, rollout, batch_problems, ctx.config.task.format_reward)
+    if plan is None:
+        rewards_all, _ = score(ctx.tok, rollout, batch_problems, ctx.config.task.format_reward)
+    else:  # each process grades its own groups; all-gathered (P * M floats)
+        rewards_all = plan.gather_rows(score(ctx.tok, plan.local_rollout(rollout),
+                                             batch_problems, ctx.config.task.format_reward)[0])
     times["time_rewards"] = time.time() - t
 
     # 3. oversampling filter: keep n of M per prompt; advantages over the kept n.
@@ -272,11 +303,16 @@ def rl_step(ctx: RunContext, setup: RLSetup, st: TrainState, rng, step: int,
     m.update(filter_m)
     kept, rewards = rollout, np.asarray(rewards_all)
     if big_m > n:
-        kept, rewards = _gather_rows(rollout, rows), rewards[rows]
+        kept, rewards = _gather_rows(rollout, rows, plan), rewards[rows]
+    if plan is not None:
+        kept = plan.shard_batch(kept)
     if rec is not None:  # the metrics stay those of all M rows
-        rec = dict(_gather_rows({k: v for k, v in rec.items() if k != "metrics"}, rows),
+        rec = dict(_gather_rows({k: v for k, v in rec.items() if k != "metrics"}, rows, plan),
                    metrics=rec["metrics"])
     adv_B = grpo_advantages(jnp.asarray(rewards), n, scale_by_std=c.scale_adv_by_std)
+    adv_B = sharding.as_global(plan, adv_B)
+    if faults.action("rl_nan", step + 1) == "nan":  # test hook: a non-finite loss
+        adv_B = adv_B * jnp.nan
     jax.block_until_ready(adv_B)
     times["time_filter"] = time.time() - t
 
@@ -304,9 +340,10 @@ def rl_step(ctx: RunContext, setup: RLSetup, st: TrainState, rng, step: int,
         teacher_params = jax.tree.map(jnp.copy, params)  # theta before its update
     order = np.asarray(jax.random.permutation(k_shuffle, b)).reshape(c.minibatches, -1)
     params, opt_state, theta_ms = _minibatch_updates(
-        grpo_update, params, st.opt_state, batch, order, graphdef=ctx.graphdef, tx=setup.tx,
-        settings=setup.settings)
+        grpo_update, params, st.opt_state, batch, order, plan, graphdef=ctx.graphdef,
+        tx=setup.tx, settings=setup.settings)
     times["time_update"] = time.time() - t
+    faults.maybe_kill("rl_update", step + 1)
     m.update(_summarize_updates(theta_ms))
     new = TrainState(params=params, opt_state=opt_state, lora=st.lora,
                      lora_opt_state=st.lora_opt_state)
@@ -329,7 +366,7 @@ def rl_step(ctx: RunContext, setup: RLSetup, st: TrainState, rng, step: int,
         t = time.time()
         order = np.asarray(jax.random.permutation(k_phi, b)).reshape(c.minibatches, -1)
         new.lora, new.lora_opt_state, phi_ms = _minibatch_updates(
-            distill.phi_update, st.lora, st.lora_opt_state, phi_batch, order,
+            distill.phi_update, st.lora, st.lora_opt_state, phi_batch, order, plan,
             params=params, teacher_params=teacher_params, graphdef=ctx.graphdef,
             tx=setup.lora_tx, settings=setup.distill)
         times["time_phi_update"] = time.time() - t
@@ -338,29 +375,33 @@ def rl_step(ctx: RunContext, setup: RLSetup, st: TrainState, rng, step: int,
     # metrics
     m.update(distill.flatten_metrics(jax.device_get(rec["metrics"])))
     m.update(corr_m)
-    ncomp = np.asarray(rollout.completion_lengths)
+    ncomp = sharding.to_host(rollout.completion_lengths)
     rewards_all = np.asarray(rewards_all)
     m.update(reward=float(rewards_all.mean()), accuracy=float((rewards_all == 1.0).mean()),
              reward_kept=float(rewards.mean()),
              response_length_mean=float(ncomp.mean()), response_length_max=int(ncomp.max()),
-             response_length_kept_mean=float(np.asarray(kept.completion_lengths).mean()),
+             response_length_kept_mean=float(sharding.to_host(kept.completion_lengths).mean()),
              rollout_tokens_per_s=float(ncomp.sum() / times["time_rollout"]), **times)
     m["time_step"] = sum(times.values())
     return new, m
 
 
 # ---------------------------------------------------------------------------------- the loop
-def _saveable(st: TrainState, rng, step: int, data_position: int) -> dict:
+OPTIONAL_KEYS = ("consecutive_skips",)  # absent from checkpoints written before them
+
+
+def _saveable(st: TrainState, rng, step: int, data_position: int,
+              consecutive_skips: int = 0) -> dict:
     tree = checkpoints.to_saveable(st.params, st.opt_state, rng=rng, step=step,
-                                   extra={"data_position": data_position})
+                                   extra={"data_position": data_position,
+                                          "consecutive_skips": consecutive_skips})
     if st.lora is not None:  # flat leaf lists, like opt_state (int-keyed dicts stay out)
         tree["lora"] = jax.tree.leaves(st.lora)
         tree["lora_opt_state"] = jax.tree.leaves(st.lora_opt_state)
     return tree
 
 
-def _restore(ckpt, latest: int, st: TrainState, rng):
-    tree = ckpt.restore(latest, _saveable(st, rng, 0, 0))
+def _from_tree(tree: dict, st: TrainState):
     params, opt_state, rng, step, extra = checkpoints.from_saveable(tree, st.params,
                                                                     st.opt_state)
     new = TrainState(params=params, opt_state=opt_state)
@@ -368,27 +409,54 @@ def _restore(ckpt, latest: int, st: TrainState, rng):
         new.lora = jax.tree.unflatten(jax.tree.structure(st.lora), extra["lora"])
         new.lora_opt_state = jax.tree.unflatten(jax.tree.structure(st.lora_opt_state),
                                                 extra["lora_opt_state"])
-    return new, rng, step
+    return new, rng, step, extra
+
+
+def _restore(ckpt, latest: int, st: TrainState, rng):
+    tree = ckpt.restore(latest, _saveable(st, rng, 0, 0), OPTIONAL_KEYS)
+    return _from_tree(tree, st)[:3]
+
+
+def _resume(ckpt, st: TrainState, rng, mode: str, prompts_per_step: int):
+    """(state, rng, step, consecutive skips) from the newest usable checkpoint, if any."""
+    try:
+        found = ckpt.restore_latest(_saveable(st, rng, 0, 0), OPTIONAL_KEYS)
+    except checkpoints.IncompatibleCheckpoint as e:  # e.g. another rollout mode
+        raise SystemExit(f"cannot resume from {ckpt.directory} in rl.rollout_mode={mode}: "
+                         f"{e}") from None
+    except checkpoints.CheckpointError as e:
+        raise SystemExit(f"[rl] {e}") from None
+    if found is None:
+        return st, rng, 0, 0
+    st, rng, step, extra = _from_tree(found[1], st)
+    position = int(extra["data_position"])
+    if position != RL_DATA_OFFSET + step * prompts_per_step:
+        raise SystemExit(f"cannot resume from {ckpt.directory} step {step}: data position "
+                         f"{position} does not match rl.prompts_per_step={prompts_per_step}")
+    return st, rng, step, int(extra.get("consecutive_skips", 0))
 
 
 def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
     c = ctx.config.rl
     setup = make_setup(ctx)
     st = init_state(ctx, setup, sft_params)
-    rng, step = jax.random.key(ctx.config.seed + 1), 0
+    rng = jax.random.key(ctx.config.seed + 1)
+    if setup.plan is not None:  # replicated on the mesh, like every checkpointed array
+        rng = setup.plan.replicate(rng)
+    if setup.plan is None:  # committed, like a restored key (see init_state)
+        rng = jax.device_put(rng, jax.devices()[0])
     ckpt = checkpoints.Checkpointer(workdir, "checkpoints", keep=ctx.config.checkpoint.keep)
-    latest = ckpt.latest_step()
-    if latest is not None:
-        try:
-            st, rng, step = _restore(ckpt, latest, st, rng)
-        except (ValueError, KeyError) as e:  # e.g. a checkpoint of another rollout mode
-            raise SystemExit(f"cannot resume from {ckpt.directory} step {latest} in "
-                             f"rl.rollout_mode={setup.mode}: {e}") from None
+    st, rng, step, skips = _resume(ckpt, st, rng, setup.mode, c.prompts_per_step)
+    if step:
         print(f"[rl] resuming from checkpoint at step {step}", flush=True)
-        writer.drop_after("rl", step)
-        writer.drop_after("eval", step)
+    # Metrics of work lost in a kill are redone (step 0's evaluation too, when no
+    # checkpoint exists yet).
+    writer.drop_after("rl", step)
+    writer.drop_after("eval", step if step else -1)
     # A copy: the first update donates sft_params' buffers.
     ref_params = jax.tree.map(jnp.copy, sft_params) if setup.settings.kl_coef > 0 else None
+    if setup.plan is not None:
+        ref_params = setup.plan.shard_state(ref_params)
     if step == 0:
         evaluate(ctx, setup, st, 0, writer, jax.random.key(ctx.config.seed + 2))
 
@@ -397,14 +465,30 @@ def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
         rng, step_key = jax.random.split(rng)
         st, m = rl_step(ctx, setup, st, step_key, step, ref_params)
         step += 1
+        # A non-finite loss or gradient skipped the update (steps.apply_update).
+        skipped = m["skipped_updates"] + m.get("phi_skipped_updates", 0.0) > 0
+        skips = skips + 1 if skipped else 0
+        m["consecutive_skipped_steps"] = skips
         writer.write("rl", step, m)
+        if c.max_consecutive_skips and skips >= c.max_consecutive_skips:
+            ckpt.close()
+            raise SystemExit(
+                f"[rl] halted at step {step}: {skips} consecutive steps with a non-finite "
+                f"loss or gradient (rl.max_consecutive_skips={c.max_consecutive_skips}); "
+                f"skipped updates leave theta/phi unchanged, the newest checkpoint is step "
+                f"{ckpt.latest_step()}")
         progress.update(step, m, ("reward", "accuracy", "response_length_mean", "kl_exact",
                                   "time_step"))
         if step % ctx.config.eval.every == 0 or step == c.num_steps:
             evaluate(ctx, setup, st, step, writer, jax.random.fold_in(rng, 7))
         if step % ctx.config.checkpoint.every == 0 or step == c.num_steps:
-            ckpt.save(step, _saveable(st, rng, step,
-                                      RL_DATA_OFFSET + step * c.prompts_per_step),
-                      force=step == c.num_steps)
+            try:
+                ckpt.save(step, _saveable(st, rng, step,
+                                          RL_DATA_OFFSET + step * c.prompts_per_step, skips),
+                          force=step == c.num_steps)
+            except checkpoints.CheckpointError as e:  # non-finite state: never saved
+                ckpt.close()
+                raise SystemExit(f"[rl] halted at step {step}: {e}") from None
+            faults.maybe_kill("rl_checkpoint", step)  # the write is still in flight
     ckpt.close()
     return st.params

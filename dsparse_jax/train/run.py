@@ -6,22 +6,37 @@ import json
 import os
 import time
 
-from dsparse_jax.train import context, rl_loop, sft
+import jax
+
+from dsparse_jax.data import sources
+from dsparse_jax.train import context, distributed, rl_loop, sft, sharding
 from dsparse_jax.train.metrics import MetricsWriter, read_metrics
 from dsparse_jax.train.validate import validate
 
 
 def prepare_workdir(workdir: str) -> None:
+    """Creates the workdir; one clear line (SystemExit) if it cannot be used."""
+    if not workdir:
+        raise SystemExit("workdir is empty: pass --workdir=<dir>")
     try:
         os.makedirs(workdir, exist_ok=True)
     except OSError as e:
-        raise SystemExit(f"cannot create workdir {workdir!r}: {e.strerror}") from None
-    if not os.access(workdir, os.W_OK | os.X_OK):
-        raise SystemExit(f"workdir {workdir!r} is not writable")
+        raise SystemExit(f"cannot create workdir {workdir!r}: {e.strerror or e}") from None
+    if not os.access(workdir, os.R_OK | os.W_OK | os.X_OK):
+        raise SystemExit(f"workdir {workdir!r} is not readable and writable")
+    for name in ("metrics.jsonl", "checkpoints", "sft"):
+        path = os.path.join(workdir, name)
+        if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK):
+            raise SystemExit(f"{path!r} in the workdir is not readable and writable")
 
 
 def main(config, workdir: str) -> dict:
     validate(config)  # before anything compiles
+    distributed.initialize(config)  # multi-host: before any device is touched
+    try:  # the mesh and the RL batch sizes it must split, before the SFT warm start
+        sharding.check_rl_batches(sharding.plan_from_config(config), config.rl)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     prepare_workdir(workdir)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json_best_effort(indent=2))
@@ -29,15 +44,19 @@ def main(config, workdir: str) -> dict:
     ctx = context.build(config)
     print(f"[run] {config.name}: model {ctx.model_cfg.d_model}d x {ctx.model_cfg.num_layers} "
           f"layers, {ctx.num_params / 1e6:.2f}M params, vocab {ctx.tok.vocab_size}; "
-          f"task {ctx.task.num_terms} terms, sequences of {ctx.seq_width} tokens; "
+          f"task {sources.describe(ctx.task)}, sequences of {ctx.seq_width} tokens; "
           f"workdir {workdir}", flush=True)
-    writer = MetricsWriter(workdir, tensorboard=config.log.tensorboard)
+    # Multi-host: process 0 logs to the workdir, the others to <workdir>/process<i>.
+    pid = jax.process_index()
+    log_dir = workdir if pid == 0 else os.path.join(workdir, f"process{pid}")
+    os.makedirs(log_dir, exist_ok=True)
+    writer = MetricsWriter(log_dir, tensorboard=config.log.tensorboard)
     try:
         sft_params, sft_acc = sft.warm_start(ctx, workdir, writer)
         rl_loop.train_rl(ctx, workdir, sft_params, writer)
     finally:
         writer.close()
-    evals = [r for r in read_metrics(workdir) if r["phase"] == "eval"]
+    evals = [r for r in read_metrics(log_dir) if r["phase"] == "eval"]
     summary = {"sft_greedy_accuracy": sft_acc,
                "rl_greedy_accuracy": evals[-1]["greedy_accuracy"] if evals else None,
                "wall_time_s": time.time() - t0}

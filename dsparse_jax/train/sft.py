@@ -8,9 +8,10 @@ import os
 import time
 
 import jax
+from jax.experimental import multihost_utils
 
 from dsparse_jax.data import batches
-from dsparse_jax.data.math_task import problems
+from dsparse_jax.data.sources import problems
 from dsparse_jax.train import checkpoints, steps
 from dsparse_jax.train.context import RunContext
 from dsparse_jax.train.metrics import MetricsWriter, Progress
@@ -22,45 +23,77 @@ def _optimizer(c):
                                 max_grad_norm=c.max_grad_norm, schedule="constant")
 
 
+def _read_done(path: str) -> dict | None:
+    """DONE.json, or None if absent or unreadable (then the cache is not trusted)."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            info = json.load(f)
+        float(info["accuracy"])
+        return info
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"[sft] WARNING: ignoring unreadable {path} ({e})", flush=True)
+        return None
+
+
 def warm_start(ctx: RunContext, workdir: str, writer: MetricsWriter):
     """Returns SFT params: from the cache when done earlier, else trains (resumably)."""
     c = ctx.config.sft
+    if not c.get("enabled", True):  # real data from a pretrained checkpoint: no SFT
+        print("[sft] skipped (sft.enabled=False): RL starts from the initial weights",
+              flush=True)
+        return ctx.init_params, None
     done_path = os.path.join(workdir, "sft", "DONE.json")
     tx = _optimizer(c)
     template_opt = tx.init(ctx.init_params)
     ckpt = checkpoints.Checkpointer(workdir, "sft", keep=2)
     params, opt_state, step = ctx.init_params, template_opt, 0
-    latest = ckpt.latest_step()
-    if latest is not None:
-        tree = ckpt.restore(latest, checkpoints.to_saveable(
+    try:
+        found = ckpt.restore_latest(checkpoints.to_saveable(
             params, opt_state, rng=jax.random.key(0), step=0))
-        params, opt_state, _, step, _ = checkpoints.from_saveable(tree, params, opt_state)
-        if os.path.exists(done_path):
-            with open(done_path) as f:
-                info = json.load(f)
+    except (checkpoints.CheckpointError, checkpoints.IncompatibleCheckpoint) as e:
+        raise SystemExit(f"[sft] cannot resume from {ckpt.directory}: {e}") from None
+    accuracy = None
+    if found is not None:
+        params, opt_state, _, step, _ = checkpoints.from_saveable(found[1], params, opt_state)
+        info = _read_done(done_path)
+        if info is not None and info.get("step") == step:
             print(f"[sft] reusing cached warm start (step {step}, held-out greedy accuracy "
                   f"{info['accuracy']:.3f})", flush=True)
             ckpt.close()
             return params, info["accuracy"]
         print(f"[sft] resuming from step {step}", flush=True)
-        writer.drop_after("sft", step)
+        if step % c.eval_every == 0:  # a kill may have come between the stop and DONE.json
+            accuracy = ctx.evaluator.greedy(params)
+    writer.drop_after("sft", step)
 
     progress = Progress("sft", c.max_steps, start=step)
-    accuracy = None
     t0 = time.time()
-    while step < c.max_steps:
+    skips = 0
+    while step < c.max_steps and not (accuracy is not None and accuracy >= c.target_accuracy):
         batch = problems(ctx.task, "train", step * c.batch_size, c.batch_size, ctx.config.seed)
         tokens, mask = batches.encode_sft(ctx.tok, batch, ctx.seq_width)
         params, opt_state, m = steps.sft_step(params, opt_state, tokens, mask,
                                               graphdef=ctx.graphdef, tx=tx)
         step += 1
         m = jax.device_get(m)
+        skips = skips + 1 if m["skipped"] else 0
+        if c.max_consecutive_skips and skips >= c.max_consecutive_skips:
+            ckpt.close()
+            raise SystemExit(f"[sft] halted at step {step}: {skips} consecutive steps with a "
+                             f"non-finite loss or gradient (sft.max_consecutive_skips="
+                             f"{c.max_consecutive_skips})")
         if step % c.eval_every == 0 or step == c.max_steps:
             accuracy = ctx.evaluator.greedy(params)
             m["eval_greedy_accuracy"] = accuracy
             m["time"] = time.time() - t0
-            ckpt.save(step, checkpoints.to_saveable(params, opt_state, rng=jax.random.key(0),
-                                                    step=step))
+            try:
+                ckpt.save(step, checkpoints.to_saveable(params, opt_state,
+                                                        rng=jax.random.key(0), step=step))
+            except checkpoints.CheckpointError as e:  # non-finite state: never saved
+                ckpt.close()
+                raise SystemExit(f"[sft] halted at step {step}: {e}") from None
         writer.write("sft", step, m)
         progress.update(step, m, ("loss", "eval_greedy_accuracy"))
         if accuracy is not None and accuracy >= c.target_accuracy:
@@ -76,8 +109,13 @@ def warm_start(ctx: RunContext, workdir: str, writer: MetricsWriter):
     if accuracy > c.max_accuracy:
         print(f"[sft] WARNING: accuracy {accuracy:.3f} > sft.max_accuracy={c.max_accuracy}: "
               "little room left for RL", flush=True)
-    with open(done_path, "w") as f:
-        json.dump({"step": step, "accuracy": accuracy}, f)
+    if jax.process_index() == 0:  # one writer; the other hosts wait for it below
+        tmp = done_path + ".tmp"
+        with open(tmp, "w") as f:  # atomic: a kill leaves the old state or the new file
+            json.dump({"step": step, "accuracy": accuracy}, f)
+        os.replace(tmp, done_path)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("sft_done")
     print(f"[sft] warm start done at step {step}: held-out greedy accuracy {accuracy:.3f}",
           flush=True)
     return params, accuracy

@@ -55,13 +55,15 @@ def make_optimizer(learning_rate: float, *, warmup_steps: int, total_steps: int,
                        optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay))
 
 
-def apply_update(tx, params, opt_state, grads):
+def apply_update(tx, params, opt_state, grads, loss=None):
     """One optimizer step; also returns the gradient's global norm and a finite flag.
 
-    A non-finite gradient leaves params and optimizer state untouched (the step is
-    skipped; callers count it)."""
+    A non-finite gradient (or loss, when given) leaves params and optimizer state
+    untouched (the step is skipped; callers count it)."""
     gnorm = optax.tree.norm(grads)
     finite = jnp.isfinite(gnorm)
+    if loss is not None:
+        finite = finite & jnp.all(jnp.isfinite(loss))
     updates, new_opt = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
@@ -85,21 +87,21 @@ def accumulated_update(terms_fn, wrt, opt_state, mb: dict, microbatches: int, tx
     numerators and the denominators are summed over microbatches and divided once, so the
     step equals the full-minibatch step for any microbatch count (up to float rounding).
     Returns (wrt, opt_state, metric sums + grad_norm + skipped)."""
-    grad_fn = jax.grad(terms_fn, has_aux=True)
+    grad_fn = jax.value_and_grad(terms_fn, has_aux=True)
     micro = split_microbatches(mb, microbatches)
 
     def body(acc, one):
-        grads, (den, m) = grad_fn(wrt, one)
-        g_acc, den_acc, m_acc = acc
-        return (jax.tree.map(jnp.add, g_acc, grads), den_acc + den,
+        (num, (den, m)), grads = grad_fn(wrt, one)
+        g_acc, num_acc, den_acc, m_acc = acc
+        return (jax.tree.map(jnp.add, g_acc, grads), num_acc + num, den_acc + den,
                 jax.tree.map(jnp.add, m_acc, m)), None
 
     first = jax.tree.map(lambda x: x[0], micro)
     zeros_m = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: terms_fn(wrt, first)[1][1]))
-    init = (jax.tree.map(jnp.zeros_like, wrt), jnp.float32(0.0), zeros_m)
-    (g_sum, den, m), _ = jax.lax.scan(body, init, micro)
+    init = (jax.tree.map(jnp.zeros_like, wrt), jnp.float32(0.0), jnp.float32(0.0), zeros_m)
+    (g_sum, num, den, m), _ = jax.lax.scan(body, init, micro)
     grads = jax.tree.map(lambda g: g / jnp.maximum(den, 1.0), g_sum)
-    wrt, opt_state, gnorm, finite = apply_update(tx, wrt, opt_state, grads)
+    wrt, opt_state, gnorm, finite = apply_update(tx, wrt, opt_state, grads, loss=num)
     m["grad_norm"] = gnorm
     m["skipped"] = 1.0 - finite.astype(jnp.float32)
     return wrt, opt_state, m
@@ -116,6 +118,6 @@ def sft_loss(params, graphdef, tokens_BxS, mask_BxS):
 def sft_step(params, opt_state, tokens_BxS, mask_BxS, *, graphdef, tx):
     (loss, ntok), grads = jax.value_and_grad(sft_loss, has_aux=True)(
         params, graphdef, tokens_BxS, mask_BxS)
-    params, opt_state, gnorm, finite = apply_update(tx, params, opt_state, grads)
+    params, opt_state, gnorm, finite = apply_update(tx, params, opt_state, grads, loss=loss)
     return params, opt_state, {"loss": loss, "grad_norm": gnorm, "tokens": ntok,
                                "skipped": 1.0 - finite.astype(jnp.float32)}

@@ -1,8 +1,18 @@
-"""Config validation that runs before anything compiles: one line naming the bad field."""
+"""Config validation that runs before anything compiles: one line naming the bad field.
+
+Unknown and missing keys are checked against the default config (configs/gemma_math.py,
+which declares every field); then values, derived shapes (task, model, KV cache) and the
+rollout-mode sections. docs/reliability.md lists the checks.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib.util
 import math
+import os
+import re
 
 from dsparse_jax.attention.spec import IMPLS, POLICIES
 from dsparse_jax.model.config import PRESETS
@@ -32,12 +42,53 @@ def _get(c, field):
 
 def _lr(c, field):
     v = _get(c, field)
-    _check(isinstance(v, (int, float)) and math.isfinite(v) and v > 0, field,
-           f"must be finite and > 0, got {v!r}")
+    _check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+           and v > 0, field, f"must be finite and > 0, got {v!r}")
 
 
-def validate(c) -> None:
-    """Raises ConfigError on the first invalid value."""
+def _nonneg(c, field, integer: bool = False):
+    v = _get(c, field)
+    ok = (isinstance(v, int) if integer else isinstance(v, (int, float)) and math.isfinite(v))
+    _check(ok and not isinstance(v, bool) and v >= 0, field,
+           f"must be {'an integer' if integer else 'finite and'} >= 0, got {v!r}")
+
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "configs", "gemma_math.py")
+
+
+@functools.lru_cache(maxsize=1)
+def default_config():
+    """configs/gemma_math.py's config (every field declared), or None if not found."""
+    if not os.path.exists(DEFAULT_CONFIG):
+        return None
+    spec = importlib.util.spec_from_file_location("_default_config", DEFAULT_CONFIG)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config()
+
+
+def check_keys(c, reference, prefix: str = "") -> None:
+    """Every key of `c` exists in `reference` (a typo is not silently ignored) and every
+    key of `reference` exists in `c` (the code reads them all)."""
+    for k in c.keys():
+        field = prefix + k
+        _check(k in reference, field, "unknown key (not declared in configs/gemma_math.py)")
+        sub, ref = c[k], reference[k]
+        if hasattr(ref, "keys"):
+            _check(hasattr(sub, "keys"), field, "must be a section (ConfigDict)")
+            check_keys(sub, ref, field + ".")
+    for k in reference.keys():
+        _check(k in c, prefix + k, "missing (declared in configs/gemma_math.py)")
+
+
+def validate(c, reference=None) -> None:
+    """Raises ConfigError on the first invalid value. `reference`: the config declaring
+    every field (default: configs/gemma_math.py when present)."""
+    reference = default_config() if reference is None else reference
+    if reference is not None:
+        check_keys(c, reference)
+    _check(isinstance(c.seed, int) and c.seed >= 0, "seed", "must be an integer >= 0")
     _check(c.model.preset in PRESETS, "model.preset", f"unknown preset {c.model.preset!r}, "
            f"choose from {sorted(PRESETS)}")
     for f in ("model.param_dtype", "model.dtype"):
@@ -52,10 +103,19 @@ def validate(c) -> None:
     _check(c.attention.impl in IMPLS, "attention.impl", f"must be one of {IMPLS}")
     for f in ("sft.learning_rate", "rl.learning_rate", "rl.max_grad_norm", "sft.max_grad_norm"):
         _lr(c, f)
+    for f in ("sft.warmup_steps", "rl.warmup_steps", "sft.max_consecutive_skips",
+              "rl.max_consecutive_skips"):
+        _nonneg(c, f, integer=True)
+    for f in ("sft.weight_decay", "rl.weight_decay", "lora.weight_decay"):
+        _nonneg(c, f)
+    _check(isinstance(c.task.format_reward, (int, float)) and math.isfinite(c.task.format_reward)
+           and c.task.format_reward < 1, "task.format_reward",
+           "must be finite and < 1 (the reward of a right answer)")
     _check(0.0 <= c.sft.target_accuracy <= 1.0, "sft.target_accuracy", "must be in [0, 1]")
     _check(c.rl.samples_per_prompt >= 2, "rl.samples_per_prompt",
            "must be >= 2 (group-relative advantages need a group)")
-    _check(c.rl.temperature > 0, "rl.temperature", "must be > 0 for RL sampling")
+    _check(math.isfinite(c.rl.temperature) and c.rl.temperature > 0, "rl.temperature",
+           "must be finite and > 0 for RL sampling")
     _check(0 <= c.rl.clip_low < 1, "rl.clip_low", "must be in [0, 1)")
     _check(c.rl.clip_high >= 0, "rl.clip_high", "must be >= 0")
     _check(c.rl.dual_clip == 0 or c.rl.dual_clip > 1, "rl.dual_clip", "must be 0 (off) or > 1")
@@ -70,6 +130,71 @@ def validate(c) -> None:
            f"must divide the minibatch size {batch // c.rl.minibatches}")
     _check(c.eval.mean_at_k >= 0, "eval.mean_at_k", "must be >= 0")
     _validate_modes(c)
+    _validate_shapes(c)
+
+
+def _validate_shapes(c) -> None:
+    """The task (synthetic chain or a dataset's widths), the model (preset + overrides;
+    a checkpoint's shapes are checked when it is read), the KV cache, the mesh."""
+    from dsparse_jax.data import batches
+    from dsparse_jax.data.math_task import ChainTaskConfig
+    from dsparse_jax.model.config import ModelConfig, preset
+    source = c.data.source if "data" in c else "synthetic:chain"
+    page = c.attention.page_size
+    if str(source).startswith("synthetic:"):
+        t = c.task
+        try:
+            task = ChainTaskConfig(num_vars=t.num_vars, num_terms=t.num_terms,
+                                   name_digits=t.name_digits)
+        except ValueError as e:  # its messages start with the field's name
+            raise ConfigError(f"config.task.{str(e).split(' ')[0]}: {e}") from None
+        prompt, gen = batches.prompt_buffer(task), batches.completion_budget(task)
+        cache = batches.sequence_buffer(task, page)
+        gen_field = "task.num_terms"
+    else:
+        for f in ("data.max_prompt_tokens", "data.max_new_tokens"):
+            _positive_int(c, f)
+        prompt, gen = c.data.max_prompt_tokens, c.data.max_new_tokens
+        cache = -(-(prompt + gen) // page) * page
+        gen_field = "data.max_new_tokens"
+    _check(cache % page == 0, "attention.page_size",
+           f"must divide the KV cache length ({cache} tokens)")
+    _check(prompt + gen <= cache, gen_field,
+           f"prompt ({prompt}) + generation ({gen}) tokens exceed the KV cache ({cache})")
+    if not c.model.get("checkpoint_dir", ""):
+        names = {f.name for f in dataclasses.fields(ModelConfig)}
+        overrides = {k: c.model[k] for k in c.model.keys() if k in names}
+        try:
+            model = preset(c.model.preset, **overrides)
+        except (ValueError, TypeError) as e:  # "ModelConfig.<field> must ..."
+            m = re.search(r"ModelConfig\.(\w+)", str(e))
+            field = f"model.{m.group(1)}" if m else "model"
+            raise ConfigError(f"config.{field}: {str(e).replace('ModelConfig.', 'model.')}") \
+                from None
+        _check(c.sparse.dense_layers <= model.num_layers, "sparse.dense_layers",
+               f"must be <= the model's {model.num_layers} layers")
+    if "mesh" in c:
+        _validate_mesh(c)
+
+
+def _validate_mesh(c) -> None:
+    """Axis sizes, and the RL batches split over the batch axes (data x fsdp) when their
+    size is explicit (data = -1 depends on the device count: checked at setup)."""
+    mesh, r = c.mesh, c.rl
+    for f in ("mesh.fsdp", "mesh.tensor"):
+        _positive_int(c, f)
+    _check(isinstance(mesh.data, int) and (mesh.data >= 1 or mesh.data == -1), "mesh.data",
+           f"must be >= 1 or -1 (all devices left), got {mesh.data!r}")
+    if mesh.data == -1:
+        return
+    shards = mesh.data * mesh.fsdp
+    m = r.samples_generated or r.samples_per_prompt
+    for rows, what in ((r.prompts_per_step, "rl.prompts_per_step"),
+                       (r.prompts_per_step * m, "the rollout batch prompts_per_step x M"),
+                       (r.prompts_per_step * r.samples_per_prompt // r.minibatches,
+                        "a minibatch")):
+        _check(rows % shards == 0, "mesh.fsdp" if mesh.fsdp > 1 else "mesh.data",
+               f"the batch shards data x fsdp = {shards} must divide {what} ({rows} rows)")
 
 
 ROLLOUT_MODES = ("dense", "sparse", "sparse_train", "distillsparse")

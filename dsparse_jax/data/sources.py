@@ -1,0 +1,301 @@
+"""Task data by URI: the embedded chain task or math datasets on local disk.
+
+    synthetic:chain         the procedurally generated chain-sum task (math_task.py)
+    jsonl:<path>            one JSON object per line
+    parquet:<path>          a parquet file (pyarrow)
+    tfds:<name>[/<config>]  a prepared TFDS dataset under a local data_dir (no download)
+
+Records are dicts; the question and answer fields are configurable (GSM8K: question /
+answer "... #### N"; MATH: problem / solution with \\boxed{}; DeepScaleR / Polaris:
+problem / answer). Empty field names pick the first present of QUESTION_FIELDS /
+ANSWER_FIELDS. A record without a usable question or answer is counted and skipped
+with a warning; above `max_bad_fraction` of the records, loading fails. Prompts longer
+than the static prompt width are dropped or truncated (`overlong`).
+
+`DatasetTask` is the dataset counterpart of ChainTaskConfig for the RL loop: the module
+function `problems(task, split, start, count, seed)` serves either.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+
+import numpy as np
+
+from dsparse_jax.data import answer_check, math_task
+from dsparse_jax.data.gemma_tokenizer import MATH_INSTRUCTION, math_prompt
+from dsparse_jax.data.tokenizer import Tokenizer
+
+SCHEMES = ("synthetic", "jsonl", "parquet", "tfds")
+QUESTION_FIELDS = ("question", "problem", "prompt", "query")
+ANSWER_FIELDS = ("answer", "final_answer", "ground_truth", "solution")
+
+
+@dataclasses.dataclass(frozen=True)
+class MathProblem:
+    """prompt: the full templated prompt text; answer: the reference final answer."""
+    prompt: str
+    solution: str
+    answer: str
+    grader: str = "math"
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceConfig:
+    question_field: str = ""  # "" -> first present of QUESTION_FIELDS
+    answer_field: str = ""  # "" -> first present of ANSWER_FIELDS
+    solution_field: str = ""  # optional worked solution (kept for SFT / inspection)
+    instruction: str = MATH_INSTRUCTION
+    chat: bool = True  # wrap in Gemma's chat turn markers
+    max_prompt_tokens: int = 512  # static prompt width, BOS included
+    overlong: str = "drop"  # drop | truncate (the question's tail is cut)
+    max_bad_fraction: float = 0.01
+    data_dir: str = ""  # tfds only
+    split: str = "train"  # tfds only
+
+    def __post_init__(self):
+        if self.overlong not in ("drop", "truncate"):
+            raise ValueError(f"overlong must be 'drop' or 'truncate', got {self.overlong!r}")
+        if not 0.0 <= self.max_bad_fraction <= 1.0:
+            raise ValueError("max_bad_fraction must be in [0, 1]")
+
+
+def parse_uri(uri: str) -> tuple[str, str]:
+    """'jsonl:/data/x.jsonl' -> ('jsonl', '/data/x.jsonl')."""
+    scheme, sep, rest = str(uri).partition(":")
+    if not sep or scheme not in SCHEMES or not rest:
+        raise ValueError(f"data source {uri!r}: expected <scheme>:<target> with scheme in "
+                         f"{SCHEMES}, e.g. jsonl:/data/gsm8k/train.jsonl or synthetic:chain")
+    return scheme, rest
+
+
+# ------------------------------------------------------------------------------ readers
+class _Bad:
+    """A record that could not be read (kept so it is counted)."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def _read_jsonl(path: str) -> list:
+    out = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                out.append(_Bad(f"line {n}: invalid JSON ({e.msg})"))
+    return out
+
+
+def _read_parquet(path: str) -> list:
+    try:
+        import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+        raise ImportError("parquet sources need pyarrow: pip install pyarrow") from e
+    return pq.read_table(path).to_pylist()
+
+
+def _decode(v):
+    if isinstance(v, bytes):
+        return v.decode("utf-8", errors="replace")
+    if isinstance(v, np.ndarray) and v.shape == ():
+        return _decode(v.item())
+    return v
+
+
+def _read_tfds(name: str, data_dir: str, split: str) -> list:
+    try:
+        import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+        raise ImportError(f"tfds:{name} needs tensorflow_datasets (pip install "
+                          "tensorflow-datasets), and the dataset prepared under a local "
+                          "data_dir: nothing is downloaded at run time") from e
+    if not data_dir:
+        raise ValueError(f"tfds:{name} needs data.data_dir (a local TFDS data_dir)")
+    builder = tfds.builder(name, data_dir=data_dir)
+    try:  # array_record datasets read without TensorFlow
+        source = builder.as_data_source(split=split)
+        rows = [source[i] for i in range(len(source))]
+    except Exception:  # noqa: BLE001 -- tfrecord-prepared data needs TF: try that
+        try:
+            rows = list(tfds.as_numpy(builder.as_dataset(split=split)))
+        except Exception as e:  # noqa: BLE001
+            raise RuntimeError(
+                f"tfds:{name} split {split!r} could not be read from {data_dir!r} ({e}). "
+                "Prepare it in array_record format (readable without TensorFlow) or "
+                "install tensorflow") from e
+    return [{k: _decode(v) for k, v in r.items()} if isinstance(r, dict) else r for r in rows]
+
+
+def read_records(uri: str, cfg: SourceConfig = SourceConfig()) -> list:
+    """Raw records of a jsonl / parquet / tfds source (unreadable ones as _Bad)."""
+    scheme, target = parse_uri(uri)
+    if scheme == "synthetic":
+        raise ValueError("synthetic sources have no records: use math_task.problems")
+    if scheme in ("jsonl", "parquet") and not os.path.isfile(target):
+        raise FileNotFoundError(f"data source {uri!r}: no such file")
+    if scheme == "jsonl":
+        return _read_jsonl(target)
+    if scheme == "parquet":
+        return _read_parquet(target)
+    return _read_tfds(target, cfg.data_dir, cfg.split)
+
+
+# ----------------------------------------------------------------------------- problems
+def _field(rec: dict, name: str, candidates) -> str | None:
+    if name:
+        return name if name in rec else None
+    return next((c for c in candidates if c in rec), None)
+
+
+def _text(v) -> str | None:
+    v = _decode(v)
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return str(v)
+    return v if isinstance(v, str) and v.strip() else None
+
+
+def _fit(question: str, cfg: SourceConfig, tok: Tokenizer) -> str | None:
+    """The templated prompt if it fits (BOS + tokens <= max_prompt_tokens), else the
+    truncated one (overlong='truncate') or None (overlong='drop')."""
+    prompt = math_prompt(question, cfg.instruction, cfg.chat)
+    if 1 + len(tok.encode(prompt)) <= cfg.max_prompt_tokens:
+        return prompt
+    if cfg.overlong == "drop":
+        return None
+    q_ids = tok.encode(question)
+    over = 1 + len(tok.encode(prompt)) - cfg.max_prompt_tokens
+    keep = len(q_ids) - over
+    while keep > 0:
+        prompt = math_prompt(tok.decode(q_ids[:keep]), cfg.instruction, cfg.chat)
+        n = 1 + len(tok.encode(prompt))
+        if n <= cfg.max_prompt_tokens:
+            return prompt
+        keep -= max(1, n - cfg.max_prompt_tokens)
+    return None  # the template alone does not fit
+
+
+def to_problems(records: list, cfg: SourceConfig, tok: Tokenizer,
+                name: str = "data") -> tuple[list[MathProblem], dict]:
+    """Usable problems of raw records and counts {total, bad, overlong, truncated, kept}."""
+    out, reasons = [], []
+    stats = {"total": len(records), "bad": 0, "overlong": 0, "truncated": 0}
+    for n, rec in enumerate(records):
+        if isinstance(rec, _Bad):
+            reasons.append(rec.reason)
+            continue
+        if not isinstance(rec, dict):
+            reasons.append(f"record {n}: not an object ({type(rec).__name__})")
+            continue
+        qf = _field(rec, cfg.question_field, QUESTION_FIELDS)
+        af = _field(rec, cfg.answer_field, ANSWER_FIELDS)
+        question = _text(rec.get(qf)) if qf else None
+        raw_answer = _text(rec.get(af)) if af else None
+        answer = answer_check.reference_answer(raw_answer) if raw_answer else ""
+        if question is None:
+            reasons.append(f"record {n}: no usable question field "
+                           f"({cfg.question_field or 'auto'})")
+            continue
+        if not answer:
+            reasons.append(f"record {n}: no usable answer field ({cfg.answer_field or 'auto'})")
+            continue
+        prompt = _fit(question, cfg, tok)
+        if prompt is None:
+            stats["overlong"] += 1
+            continue
+        stats["truncated"] += prompt != math_prompt(question, cfg.instruction, cfg.chat)
+        sf = cfg.solution_field or af
+        solution = (_text(rec.get(sf)) or "") if sf else ""
+        out.append(MathProblem(prompt=prompt, solution=solution, answer=answer))
+    stats["bad"] = len(reasons)
+    stats["kept"] = len(out)
+    if reasons:
+        frac = len(reasons) / max(1, len(records))
+        msg = (f"{name}: skipped {len(reasons)} of {len(records)} bad records "
+               f"({frac:.1%}); first: {'; '.join(reasons[:3])}")
+        if frac > cfg.max_bad_fraction:
+            raise ValueError(msg + f" -- more than max_bad_fraction={cfg.max_bad_fraction}")
+        warnings.warn(msg)
+    if stats["overlong"]:
+        warnings.warn(f"{name}: dropped {stats['overlong']} prompts longer than "
+                      f"{cfg.max_prompt_tokens} tokens")
+    if not out:
+        raise ValueError(f"{name}: no usable problems in {len(records)} records")
+    return out, stats
+
+
+def load_problems(uri: str, cfg: SourceConfig, tok: Tokenizer) -> tuple[list[MathProblem], dict]:
+    return to_problems(read_records(uri, cfg), cfg, tok, name=uri)
+
+
+class DatasetTask:
+    """Dataset problems for the RL loop: reshuffled every epoch, fixed prompt width."""
+
+    def __init__(self, train: list[MathProblem], eval_: list[MathProblem],
+                 max_prompt_tokens: int, max_new_tokens: int, name: str = "data"):
+        if not train or not eval_:
+            raise ValueError("DatasetTask needs train and eval problems")
+        self.train, self.eval, self.name = train, eval_, name
+        self.max_prompt_tokens, self.max_new_tokens = max_prompt_tokens, max_new_tokens
+        self._perm = (None, None)
+
+    def prompt_buffer(self) -> int:
+        return self.max_prompt_tokens
+
+    def completion_budget(self) -> int:
+        return self.max_new_tokens
+
+    def describe(self) -> str:
+        return f"{self.name}: {len(self.train)} train / {len(self.eval)} eval problems"
+
+    def _order(self, epoch: int, seed: int) -> np.ndarray:
+        if self._perm[0] != (epoch, seed):
+            rng = np.random.default_rng(np.random.SeedSequence([seed, 7, epoch]))
+            self._perm = ((epoch, seed), rng.permutation(len(self.train)))
+        return self._perm[1]
+
+    def problems(self, split: str, start: int, count: int, seed: int) -> list[MathProblem]:
+        if split == "eval":
+            return [self.eval[i % len(self.eval)] for i in range(start, start + count)]
+        if split != "train":
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        n = len(self.train)
+        return [self.train[self._order(i // n, seed)[i % n]] for i in range(start, start + count)]
+
+
+def problems(task, split: str, start: int, count: int, seed: int):
+    """Problems start..start+count-1 of `split`, for the chain task or a DatasetTask."""
+    if isinstance(task, math_task.ChainTaskConfig):
+        return math_task.problems(task, split, start, count, seed)
+    return task.problems(split, start, count, seed)
+
+
+def build_task(uri: str, eval_uri: str, cfg: SourceConfig, tok: Tokenizer, num_eval: int,
+               max_new_tokens: int, seed: int, eval_split: str = "test") -> DatasetTask:
+    """A DatasetTask: eval from `eval_uri`, or (empty) the first num_eval of a seeded
+    shuffle of the train source, held out from training."""
+    train, _ = load_problems(uri, cfg, tok)
+    if eval_uri:
+        eval_cfg = dataclasses.replace(cfg, split=eval_split)
+        eval_, _ = load_problems(eval_uri, eval_cfg, tok)
+        eval_ = eval_[:num_eval]
+    else:
+        if len(train) <= num_eval:
+            raise ValueError(f"{uri}: {len(train)} problems cannot hold out {num_eval} "
+                             "for eval; set data.eval_source or a smaller eval.num_problems")
+        order = np.random.default_rng(np.random.SeedSequence([seed, 11])).permutation(len(train))
+        eval_ = [train[i] for i in order[:num_eval]]
+        train = [train[i] for i in order[num_eval:]]
+    return DatasetTask(train, eval_, cfg.max_prompt_tokens, max_new_tokens, name=uri)
+
+
+def describe(task) -> str:
+    """One line for logs: '8 terms' (chain task) or the dataset and its sizes."""
+    if isinstance(task, math_task.ChainTaskConfig):
+        return f"{task.num_terms} terms"
+    return task.describe()

@@ -1,0 +1,728 @@
+"""The paper-replication experiment (issue 7): every rollout mode from ONE shared SFT warm
+start, the same seeds and step budget, each run resumable in its own workdir; the
+sparsity-level sweep; the report (docs/results.md). Usage: docs/experiments.md.
+
+  python launch/experiment.py run --expdir=runs/exp [--quick] [--seeds=0,1] [--steps=N]
+      [--variants=dense,sparse,...] [--set rl.learning_rate=1e-4 ...] [--config=...]
+  python launch/experiment.py sweep --expdir=runs/exp [--quick] [--budgets=3,4,6,8]
+  python launch/experiment.py report --expdir=runs/exp [--out=docs/results.md]
+  python launch/experiment.py status --expdir=runs/exp [--quick ...]   (the plan, no runs)
+
+`run` first trains the SFT warm start once in <expdir>/sft_base (a child process), then
+gives every run a copy of it as <workdir>/sft (sft.warm_start reuses it), then launches
+each run as `python launch/train.py --config=... --workdir=<expdir>/<variant>_s<seed>
+--config.x=y ...`. Rerunning the same command resumes: a finished run is skipped, an
+unfinished one continues from its newest checkpoint (launch/train.py resumes by itself).
+Runs that fail are reported at the end (exit status 1) and do not stop the others.
+
+The parent process never imports jax except in `sweep` (after the SFT child has exited),
+so the runs own the accelerator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+DEFAULT_CONFIG = os.path.join(ROOT, "configs", "gemma_math.py")
+
+# Every variant sets the three fields that define it, so a variant means the same thing
+# whatever the config's defaults are. "2n": rl.samples_generated = 2 * rl.samples_per_prompt.
+VARIANTS = {
+    "dense": {"rl.rollout_mode": "dense", "rl.is_correction": "none",
+              "rl.samples_generated": 0},
+    "sparse": {"rl.rollout_mode": "sparse", "rl.is_correction": "none",
+               "rl.samples_generated": 0},
+    "sparse_train": {"rl.rollout_mode": "sparse_train", "rl.is_correction": "none",
+                     "rl.samples_generated": 0},
+    "sparse_tis": {"rl.rollout_mode": "sparse", "rl.is_correction": "tis",
+                   "rl.samples_generated": 0},
+    "sparse_mis": {"rl.rollout_mode": "sparse", "rl.is_correction": "mis",
+                   "rl.samples_generated": 0},
+    "distillsparse": {"rl.rollout_mode": "distillsparse", "rl.is_correction": "none",
+                      "rl.samples_generated": 0},
+    "distillsparse_m2n": {"rl.rollout_mode": "distillsparse", "rl.is_correction": "none",
+                          "rl.samples_generated": "2n"},
+}
+DESCRIPTIONS = {
+    "dense": "dense rollout, dense training",
+    "sparse": "sparse rollout + dense training (naive)",
+    "sparse_train": "sparse rollout + sparse training (trainer on the rollout's pages)",
+    "sparse_tis": "sparse rollout + dense training + TIS",
+    "sparse_mis": "sparse rollout + dense training + MIS",
+    "distillsparse": "DistillSparse (sparse + LoRA actor, LoRA distillation)",
+    "distillsparse_m2n": "DistillSparse + oversampling M = 2n, top-n by reward",
+}
+MAIN = ("dense", "sparse", "distillsparse")  # the main comparison: every seed
+ALIASES = {"sparse+tis": "sparse_tis", "sparse+mis": "sparse_mis",
+           "distillsparse+m2n": "distillsparse_m2n", "distillsparse+M=2n": "distillsparse_m2n",
+           "distillsparse+m=2n": "distillsparse_m2n"}
+
+# Every run (below the quick preset and --set): completion-position bins of 16 tokens for
+# the mismatch metrics (the config's 256 is meant for long generations; the embedded
+# task's completions are 28-82 tokens, which would all fall into one bin).
+BASE = {"metrics.position_bin": 16}
+
+# --quick: a 2-core CPU budget of <= 20 minutes for the main comparison (2 seeds):
+# a smaller task (8 variables, 4 terms: 56-token prompts, 46-token completions, a
+# 112-token buffer of 7 pages), a sparse actor reading 4 of the 7 pages (sink + 2 recent
+# + 1 chosen), at most 300 SFT steps, 16 RL steps, evaluation on 32 problems every 4
+# steps with mean@2, no TensorBoard. Any of these can be overridden with --set.
+QUICK = {
+    "task.num_vars": 8, "task.num_terms": 4,
+    "sparse.budget": 4,
+    "sft.max_steps": 300, "sft.eval_every": 50,
+    "rl.num_steps": 16,
+    "eval.num_problems": 32, "eval.every": 4, "eval.mean_at_k": 2,
+    "checkpoint.every": 4,
+    "log.tensorboard": False,
+}
+QUICK_VARIANTS = MAIN
+SFT_KEYS = ("seed", "model.", "task.", "sft.", "data.", "tokenizer.", "attention.")
+DEFAULT_BUDGETS = "3,4,5,6,8,10"
+
+
+# ---------------------------------------------------------------------------------- config
+def fmt_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+def parse_sets(items: list[str]) -> dict:
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if key.startswith("--"):
+            key = key[2:]
+        if key.startswith("config."):
+            key = key[len("config."):]
+        if not sep or not key:
+            raise SystemExit(f"--set {item!r}: expected key=value, e.g. rl.learning_rate=1e-4")
+        out[key] = value
+    return out
+
+
+def override_args(overrides: dict) -> list[str]:
+    return [f"--config.{k}={fmt_value(v)}" for k, v in overrides.items()]
+
+
+def load_config(config_path: str, overrides: dict):
+    """The ConfigDict launch/train.py would build from these overrides (no jax import)."""
+    from absl import flags
+    from ml_collections import config_flags
+    fv = flags.FlagValues()
+    argv = ["experiment", f"--config={config_path}", *override_args(overrides)]
+    config_flags.DEFINE_config_file("config", config_path, "config", flag_values=fv,
+                                    lock_config=True, sys_argv=argv)
+    try:
+        fv(argv)
+    except (flags.Error, KeyError, ValueError, AttributeError) as e:
+        raise SystemExit(f"bad config override: {e}") from None
+    return fv.config
+
+
+def resolve_variants(spec: str | None, quick: bool) -> list[str]:
+    if not spec:
+        return list(QUICK_VARIANTS if quick else VARIANTS)
+    if spec == "all":
+        return list(VARIANTS)
+    out = []
+    for name in spec.split(","):
+        name = ALIASES.get(name.strip(), name.strip())
+        if name not in VARIANTS:
+            raise SystemExit(f"unknown variant {name!r}; known: {', '.join(VARIANTS)} "
+                             f"(aliases {', '.join(ALIASES)})")
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def common_overrides(args) -> dict:
+    """BASE < quick preset < --set < --steps (the same for every run)."""
+    out = dict(BASE)
+    if args.quick:
+        out.update(QUICK)
+    sets = parse_sets(args.set)
+    for key in sets:
+        if any(key == k for v in VARIANTS.values() for k in v):
+            raise SystemExit(f"--set {key}: this field defines the variants; use --variants")
+        if key == "seed":
+            raise SystemExit("--set seed: use --seeds")
+    out.update(sets)
+    if args.steps is not None:
+        out["rl.num_steps"] = args.steps
+    return out
+
+
+def run_overrides(config_path: str, common: dict, variant: str, seed: int) -> dict:
+    out = dict(common)
+    out["seed"] = seed
+    v = dict(VARIANTS[variant])
+    if v.get("rl.samples_generated") == "2n":
+        n = load_config(config_path, out).rl.samples_per_prompt
+        v["rl.samples_generated"] = 2 * n
+    out.update(v)
+    return out
+
+
+def run_name(variant: str, seed: int) -> str:
+    return f"{variant}_s{seed}"
+
+
+def plan_runs(variants: list[str], seeds: list[int]) -> list[tuple[str, int]]:
+    """Every variant at the first seed first (a partial sweep covers every mode), then the
+    main comparison's other seeds."""
+    runs = [(v, seeds[0]) for v in variants]
+    for s in seeds[1:]:
+        runs += [(v, s) for v in variants if v in MAIN]
+    return runs
+
+
+# ------------------------------------------------------------------------------- run state
+def _read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
+
+
+def run_state(workdir: str, num_steps: int) -> tuple[str, int]:
+    """('done' | 'partial' | 'new', last RL step logged). Done: summary.json written (the
+    run's last act) after RL reached num_steps with the final evaluation logged."""
+    from dsparse_jax.train.metrics import read_metrics
+    records = read_metrics(workdir)
+    rl_steps = [r["step"] for r in records if r["phase"] == "rl"]
+    eval_steps = [r["step"] for r in records if r["phase"] == "eval"]
+    last = max(rl_steps, default=0)
+    if (os.path.exists(os.path.join(workdir, "summary.json")) and last >= num_steps
+            and max(eval_steps, default=-1) >= num_steps):
+        return "done", last
+    return ("partial" if records else "new"), last
+
+
+def _check_same(path: str, key: str, current: dict, what: str) -> None:
+    """A workdir started with other settings is not silently mixed with these."""
+    old = _read_json(path)
+    if old is None:
+        return
+    before = {k: fmt_value(v) for k, v in old.get(key, {}).items() if k != "rl.num_steps"}
+    now = {k: fmt_value(v) for k, v in current.items() if k != "rl.num_steps"}
+    if before != now:
+        diff = sorted(set(before.items()) ^ set(now.items()))
+        raise SystemExit(f"{what} was started with other settings (differences: {diff}); "
+                         f"use another --expdir or delete {os.path.dirname(path)}")
+
+
+# ------------------------------------------------------------------------------ processes
+def _child_env(args) -> dict:
+    env = dict(os.environ)
+    if args.compile_cache and "JAX_COMPILATION_CACHE_DIR" not in env:
+        env["JAX_COMPILATION_CACHE_DIR"] = os.path.abspath(args.compile_cache)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _launch(cmd: list[str], log_path: str, env: dict, verbose: bool) -> tuple[int, float]:
+    """Runs cmd with stdout+stderr appended to log_path (and echoed with --verbose)."""
+    t0 = time.time()
+    with open(log_path, "a") as log:
+        log.write(f"\n=== {datetime.datetime.now().isoformat(timespec='seconds')} "
+                  f"{' '.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=env, text=True, bufsize=1)
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                if verbose:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+            rc = proc.wait()
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop the run (it resumes later)
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise
+    return rc, time.time() - t0
+
+
+def _tail(path: str, n: int = 25) -> str:
+    try:
+        with open(path) as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
+def ensure_sft_base(args, common: dict, seed: int) -> str | None:
+    """Trains (or resumes, or reuses) the shared SFT warm start in <expdir>/sft_base (None
+    when the config disables SFT, e.g. real data from a pretrained checkpoint)."""
+    base = os.path.join(args.expdir, "sft_base")
+    os.makedirs(base, exist_ok=True)
+    if not load_config(args.config, common).sft.get("enabled", True):
+        print("[experiment] sft.enabled=False: no SFT warm start (RL starts from the "
+              "initial weights)", flush=True)
+        return None
+    sft_over = {k: v for k, v in common.items() if k.startswith(SFT_KEYS)}
+    sft_over["seed"] = seed
+    meta_path = os.path.join(base, "experiment_sft.json")
+    _check_same(meta_path, "overrides", sft_over, "the SFT warm start in " + base)
+    if os.path.exists(os.path.join(base, "sft", "DONE.json")):
+        print(f"[experiment] SFT warm start: reusing {base}/sft", flush=True)
+        return base
+    meta = _read_json(meta_path) or {"overrides": {k: fmt_value(v) for k, v in
+                                                   sft_over.items()}, "attempts": []}
+    cmd = [sys.executable, os.path.abspath(__file__), "_sft", f"--config={args.config}",
+           f"--workdir={base}", *override_args(sft_over)]
+    print(f"[experiment] SFT warm start in {base} (log {base}/train.log)", flush=True)
+    started = datetime.datetime.now().isoformat(timespec="seconds")
+    rc, wall = _launch(cmd, os.path.join(base, "train.log"), _child_env(args), args.verbose)
+    meta["attempts"].append({"start": started, "wall_s": wall, "rc": rc})
+    _write_json(meta_path, meta)
+    if rc != 0 or not os.path.exists(os.path.join(base, "sft", "DONE.json")):
+        raise SystemExit(f"[experiment] SFT warm start failed (rc {rc}):\n"
+                         + _tail(os.path.join(base, "train.log")))
+    print(f"[experiment] SFT warm start done in {wall:.0f}s", flush=True)
+    return base
+
+
+def give_sft(base: str | None, workdir: str) -> None:
+    """<workdir>/sft = a copy of the shared warm start (sft.warm_start reuses it)."""
+    if base is None:
+        return
+    dst = os.path.join(workdir, "sft")
+    if os.path.exists(os.path.join(dst, "DONE.json")):
+        return
+    if os.path.exists(dst):  # a copy cut short by a kill
+        shutil.rmtree(dst)
+    tmp = dst + ".copying"
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    shutil.copytree(os.path.join(base, "sft"), tmp, copy_function=_link_or_copy)
+    os.replace(tmp, dst)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Hard link (no disk for large models; the run only reads its warm start), else copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def cmd_run(args) -> int:
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [0, 1]
+    variants = resolve_variants(args.variants, args.quick)
+    common = common_overrides(args)
+    if args.budget_from_sweep:
+        sweep = _read_json(os.path.join(args.expdir, "sweep", "sweep.json"))
+        if not sweep or sweep.get("suggested_budget") is None:
+            raise SystemExit(f"--budget_from_sweep: no suggested budget in "
+                             f"{args.expdir}/sweep/sweep.json (run `sweep` first)")
+        if "sparse.budget" in parse_sets(args.set):
+            raise SystemExit("--budget_from_sweep and --set sparse.budget: choose one")
+        common["sparse.budget"] = sweep["suggested_budget"]
+        print(f"[experiment] sparse.budget={sweep['suggested_budget']} from the sweep",
+              flush=True)
+    cfg = load_config(args.config, common)  # fails early on a bad override
+    num_steps = cfg.rl.num_steps
+    runs = plan_runs(variants, seeds)
+    states = {}
+    for v, s in runs:
+        wd = os.path.join(args.expdir, run_name(v, s))
+        states[(v, s)] = run_state(wd, num_steps) if os.path.isdir(wd) else ("new", 0)
+    print(f"[experiment] {len(runs)} runs, {num_steps} RL steps each, expdir {args.expdir}",
+          flush=True)
+    for (v, s), (state, last) in states.items():
+        print(f"  {run_name(v, s):24s} {state}" + (f" (step {last})" if state == "partial"
+                                                   else ""), flush=True)
+    if args.dry_run:
+        return 0
+
+    t_start = time.time()
+    os.makedirs(args.expdir, exist_ok=True)
+    exp_path = os.path.join(args.expdir, "experiment.json")
+    exp = _read_json(exp_path) or {}
+    exp.update({"config": os.path.abspath(args.config), "quick": args.quick,
+                "common_overrides": {k: fmt_value(v) for k, v in common.items()},
+                "seeds": seeds, "variants": variants, "num_steps": num_steps,
+                "runs": sorted(set(exp.get("runs", [])) | {run_name(v, s) for v, s in runs})})
+    _write_json(exp_path, exp)
+    base = ensure_sft_base(args, common, seeds[0])
+    env = _child_env(args)
+    failed = []
+    for i, (v, s) in enumerate(runs):
+        name = run_name(v, s)
+        wd = os.path.join(args.expdir, name)
+        over = run_overrides(args.config, common, v, s)
+        meta_path = os.path.join(wd, "experiment_run.json")
+        if os.path.isdir(wd):
+            _check_same(meta_path, "overrides", over, f"run {name}")
+            state, last = run_state(wd, num_steps)
+            if state == "done":
+                print(f"[experiment] {i + 1}/{len(runs)} {name}: finished, skipped", flush=True)
+                continue
+        os.makedirs(wd, exist_ok=True)
+        meta = _read_json(meta_path) or {"variant": v, "seed": s, "attempts": []}
+        meta.update(variant=v, seed=s, description=DESCRIPTIONS[v],
+                    overrides={k: fmt_value(x) for k, x in over.items()})
+        _write_json(meta_path, meta)
+        give_sft(base, wd)
+        state, last = run_state(wd, num_steps)
+        print(f"[experiment] {i + 1}/{len(runs)} {name}: "
+              + (f"resuming (step {last})" if state == "partial" else "starting")
+              + f", log {wd}/train.log", flush=True)
+        cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"),
+               f"--config={args.config}", f"--workdir={wd}", *override_args(over)]
+        started = datetime.datetime.now().isoformat(timespec="seconds")
+        t_run = time.time()
+        try:
+            rc, wall = _launch(cmd, os.path.join(wd, "train.log"), env, args.verbose)
+        except KeyboardInterrupt:
+            meta["attempts"].append({"start": started, "rc": "interrupted",
+                                     "wall_s": time.time() - t_run})
+            _write_json(meta_path, meta)
+            print(f"\n[experiment] interrupted during {name}; rerun the same command to "
+                  "resume", flush=True)
+            return 130
+        meta["attempts"].append({"start": started, "wall_s": wall, "rc": rc})
+        _write_json(meta_path, meta)
+        state, last = run_state(wd, num_steps)
+        if rc != 0 or state != "done":
+            failed.append(name)
+            print(f"[experiment] {name} FAILED (rc {rc}, {state} at step {last}) after "
+                  f"{wall:.0f}s; last lines of {wd}/train.log:\n{_tail(wd + '/train.log')}",
+                  flush=True)
+        else:
+            print(f"[experiment] {name} done in {wall:.0f}s", flush=True)
+    print(f"[experiment] this invocation took {time.time() - t_start:.0f}s", flush=True)
+    if args.report:
+        _results().write_report(args.expdir, args.out, args.fig_dir)
+    if failed:
+        print(f"[experiment] failed runs: {', '.join(failed)}", flush=True)
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------------------------- sweep
+def measure_sweep(config, sft_dir: str | None, budgets: list[int], prompts: int,
+                  batches_n: int, greedy: bool) -> dict:
+    """Mismatch of the naive sparse actor (theta from the SFT warm start, no adapter) vs
+    the dense policy, per sparse.budget, without training: the sparse actor samples
+    `prompts` x rl.samples_per_prompt completions of the RL prompt stream (batches_n
+    batches; the first includes the compile and is not timed) and distill.recompute
+    measures the exact per-token mismatch of its teacher-forced twin (the recorded pages)
+    vs the dense policy. A dense rollout of the same prompts is the reference."""
+    import dataclasses
+    import math
+
+    import jax
+    import numpy as np
+
+    from dsparse_jax.data import batches
+    from dsparse_jax.data.sources import problems
+    from dsparse_jax.sampling.sampler import SamplingConfig
+    from dsparse_jax.train import context, distill, rl_loop, sft
+    from dsparse_jax.train.evaluation import score
+    from dsparse_jax.train.metrics import MetricsWriter
+    from dsparse_jax.train.validate import validate
+
+    validate(config)
+    ctx = context.build(config)
+    if sft_dir is None:  # sft.enabled=False: the initial (e.g. pretrained) weights
+        params, sft_acc = ctx.init_params, None
+    else:
+        writer = MetricsWriter(sft_dir, tensorboard=False)
+        try:
+            params, sft_acc = sft.warm_start(ctx, sft_dir, writer)
+        finally:
+            writer.close()
+    c = config.rl
+    n_bins = max(1, math.ceil(batches.completion_budget(ctx.task) / config.metrics.position_bin))
+    scfg = SamplingConfig(max_new_tokens=batches.completion_budget(ctx.task),
+                          eos_id=ctx.tok.eos_id, pad_id=ctx.tok.pad_id,
+                          temperature=c.temperature, samples_per_prompt=c.samples_per_prompt)
+    total_pages = ctx.seq_width // ctx.spec.page_size
+    rows = []
+    for budget in [None] + budgets:
+        if budget is None:
+            spec, twin = ctx.spec, None
+        else:
+            sp = dataclasses.replace(ctx.rollout_spec.sparse, budget=budget)
+            spec = twin = dataclasses.replace(ctx.rollout_spec, sparse=sp)
+        per_batch, times, toks, rewards = [], [], [], []
+        for b in range(batches_n):
+            probs = problems(ctx.task, "train", rl_loop.RL_DATA_OFFSET + b * prompts, prompts,
+                             config.seed)
+            pr, ln = batches.encode_prompts(ctx.tok, probs, batches.prompt_buffer(ctx.task))
+            key = jax.random.fold_in(jax.random.key(config.seed + 11), b)
+            t = time.time()
+            r = ctx.sampler(params, pr, ln, key, scfg, spec)
+            jax.block_until_ready(r.tokens)
+            dt = time.time() - t
+            ncomp = np.asarray(r.completion_lengths)
+            if b > 0:  # the first batch includes the compile
+                times.append(dt)
+                toks.append(float(ncomp.sum()))
+            rew, _ = score(ctx.tok, r, probs, config.task.format_reward)
+            rewards.append(np.asarray(rew))
+            rec = distill.recompute(params, None, r.tokens, r.prompt_lengths,
+                                    r.completion_mask, r.pages(), r.logprobs,
+                                    graphdef=ctx.graphdef, temperature=c.temperature,
+                                    dense_spec=ctx.spec, twin_spec=twin,
+                                    bin_width=config.metrics.position_bin, num_bins=n_bins)
+            m = distill.flatten_metrics(jax.device_get(rec["metrics"]))
+            m["response_length_mean"] = float(ncomp.mean())
+            per_batch.append(m)
+        keys = sorted(set().union(*per_batch))
+        row = {}
+        for k in keys:  # unweighted mean over batches of finite values
+            vals = [m[k] for m in per_batch if k in m and math.isfinite(m[k])]
+            row[k] = float(np.mean(vals)) if vals else float("nan")
+        allr = np.concatenate(rewards)
+        row.update(budget=budget, reward=float(allr.mean()),
+                   accuracy=float((allr == 1.0).mean()),
+                   rollout_tokens_per_s=float(sum(toks) / sum(times)) if times else None,
+                   pages_read=budget if budget is not None else total_pages,
+                   page_fraction=(min(budget, total_pages) / total_pages) if budget else 1.0)
+        if greedy:
+            row["greedy_accuracy"] = ctx.evaluator.greedy(params, spec=spec)
+        rows.append(row)
+        print(f"[sweep] budget {budget or 'dense'}: "
+              + " ".join(f"{k} {row[k]:.4g}" for k in ("kl_exact", "alpha_mean", "alpha_p5",
+                                                       "reward", "greedy_accuracy")
+                         if isinstance(row.get(k), float)), flush=True)
+    return {"sft_greedy_accuracy": sft_acc, "total_pages": total_pages,
+            "page_size": ctx.spec.page_size, "seq_width": ctx.seq_width,
+            "sparse_layers": [i for i in range(ctx.model_cfg.num_layers)
+                              if i >= config.sparse.dense_layers],
+            "dense_layers": config.sparse.dense_layers, "policy": config.sparse.policy,
+            "prompts": prompts, "samples_per_prompt": c.samples_per_prompt,
+            "batches": batches_n, "temperature": c.temperature,
+            "bin_width": config.metrics.position_bin, "rows": rows}
+
+
+def longest_bin(row: dict, name: str = "alpha_p5"):
+    """(bin index, value) of `name` in the last completion-position bin with tokens."""
+    import math
+    best = None
+    i = 0
+    while f"tokens_bin{i}" in row:
+        v = row.get(f"{name}_bin{i}")
+        if row[f"tokens_bin{i}"] > 0 and isinstance(v, float) and math.isfinite(v):
+            best = (i, v)
+        i += 1
+    return best
+
+
+def suggest_budget(result: dict, kl_threshold: float) -> int | None:
+    """The largest (least sparse) budget whose naive sparse actor is measurably off-policy:
+    mean exact KL(sparse || dense) per token >= kl_threshold."""
+    ok = [r["budget"] for r in result["rows"] if r["budget"] is not None
+          and r.get("kl_exact", 0.0) >= kl_threshold]
+    return max(ok) if ok else None
+
+
+def sweep_markdown(result: dict) -> str:
+    def f(v, p=4):
+        return "-" if v is None or (isinstance(v, float) and v != v) else f"{v:.{p}g}"
+    lines = [
+        f"Naive sparse actor (SFT warm start, no adapter, policy `{result['policy']}`, layers "
+        f"{result['sparse_layers']} sparse) vs the dense policy, measured on "
+        f"{result['prompts']} RL prompts x {result['samples_per_prompt']} samples x "
+        f"{result['batches']} batches at temperature {result['temperature']}; the sequence "
+        f"buffer is {result['seq_width']} tokens = {result['total_pages']} pages of "
+        f"{result['page_size']}. SFT held-out greedy accuracy "
+        f"{f(result['sft_greedy_accuracy'], 3)}.",
+        "",
+        "| budget (pages) | pages read / buffer | KL(sparse‖dense) exact | k3 KL | mean α "
+        "| p5 α | p5 α, longest bin | sampled reward | greedy acc. (actor) | rollout tok/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result["rows"]:
+        lb = longest_bin(r)
+        lines.append(
+            f"| {r['budget'] if r['budget'] is not None else 'dense'} "
+            f"| {f(r['page_fraction'], 2)} | {f(r.get('kl_exact'))} | {f(r.get('kl_k3'))} "
+            f"| {f(r.get('alpha_mean'))} | {f(r.get('alpha_p5'))} "
+            f"| {f(lb[1]) + f' (bin {lb[0]})' if lb else '-'} | {f(r['reward'], 3)} "
+            f"| {f(r.get('greedy_accuracy'), 3)} | {f(r.get('rollout_tokens_per_s'), 4)} |")
+    s = result.get("suggested_budget")
+    lines += ["", f"Suggested budget (largest with exact KL >= {result['kl_threshold']:g}): "
+              + (f"**{s}** (pass `--set sparse.budget={s}`)" if s is not None
+                 else "none of the budgets measured")]
+    return "\n".join(lines) + "\n"
+
+
+def cmd_sweep(args) -> int:
+    budgets = [int(b) for b in args.budgets.split(",")]
+    seed = int(args.seeds.split(",")[0]) if args.seeds else 0
+    common = common_overrides(args)
+    base = ensure_sft_base(args, common, seed)
+    if args.compile_cache and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.abspath(args.compile_cache)
+    config = load_config(args.config, {**common, "seed": seed})
+    c = config.rl
+    prompts = args.prompts or c.prompts_per_step
+    result = measure_sweep(config, base, budgets, prompts, args.batches, not args.no_greedy)
+    result["kl_threshold"] = args.kl_threshold
+    result["suggested_budget"] = suggest_budget(result, args.kl_threshold)
+    result["overrides"] = {k: fmt_value(v) for k, v in common.items()}
+    out = os.path.join(args.expdir, "sweep")
+    os.makedirs(out, exist_ok=True)
+    _write_json(os.path.join(out, "sweep.json"), result)
+    with open(os.path.join(out, "sweep.md"), "w") as f:
+        f.write(sweep_markdown(result))
+    print(sweep_markdown(result), flush=True)
+    print(f"[sweep] wrote {out}/sweep.json and sweep.md", flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------- SFT child
+def _sft_child(argv: list[str]) -> int:
+    """`experiment.py _sft --config=... --workdir=... --config.x=y`: SFT warm start only."""
+    from absl import flags, logging
+    from ml_collections import config_flags
+    fv = flags.FlagValues()
+    argv = ["experiment_sft", *argv]
+    config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "config", flag_values=fv,
+                                    lock_config=True, sys_argv=argv)
+    flags.DEFINE_string("workdir", None, "SFT directory", flag_values=fv)
+    fv(argv)
+    logging.set_verbosity(logging.WARNING)
+    from dsparse_jax.train import context, run, sft
+    from dsparse_jax.train.metrics import MetricsWriter
+    from dsparse_jax.train.validate import validate
+    config, workdir = fv.config, fv.workdir
+    validate(config)
+    run.prepare_workdir(workdir)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json_best_effort(indent=2))
+    t0 = time.time()
+    ctx = context.build(config)
+    writer = MetricsWriter(workdir, tensorboard=False)
+    try:
+        _, acc = sft.warm_start(ctx, workdir, writer)
+    finally:
+        writer.close()
+    _write_json(os.path.join(workdir, "summary.json"),
+                {"sft_greedy_accuracy": acc, "wall_time_s": time.time() - t0})
+    return 0
+
+
+# ------------------------------------------------------------------------------------ CLI
+def _results():
+    """launch/results.py as a module (launch/ is not a package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "dsparse_results", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="config file (get_config())")
+    p.add_argument("--expdir", required=True, help="experiment directory")
+    p.add_argument("--quick", action="store_true",
+                   help="the quick preset (QUICK in this file; docs/experiments.md)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for every run (and the SFT warm start), repeatable")
+    p.add_argument("--steps", type=int, default=None, help="RL steps per run (rl.num_steps)")
+    p.add_argument("--seeds", default=None,
+                   help="comma list (default 0,1): the main comparison (dense, sparse, "
+                        "distillsparse) runs every seed, the other variants the first")
+    p.add_argument("--compile_cache", default=None,
+                   help="JAX persistent compilation cache shared by the runs "
+                        "(default <expdir>/jax_cache; '' disables)")
+    p.add_argument("--verbose", action="store_true", help="echo the runs' output")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="run (or resume) the variants")
+    _common_args(r)
+    r.add_argument("--variants", default=None,
+                   help=f"comma list or 'all' (default: all; with --quick {','.join(MAIN)}); "
+                        f"known: {', '.join(VARIANTS)}")
+    r.add_argument("--dry_run", action="store_true", help="print the plan and run states only")
+    r.add_argument("--budget_from_sweep", action="store_true",
+                   help="sparse.budget = the suggested budget of <expdir>/sweep/sweep.json")
+    r.add_argument("--report", action="store_true", help="write the report afterwards")
+    r.add_argument("--out", default=os.path.join(ROOT, "docs", "results.md"))
+    r.add_argument("--fig_dir", default=None, help="default <dir of --out>/results")
+    st = sub.add_parser("status", help="the plan and each run's state (run --dry_run)")
+    _common_args(st)
+    st.add_argument("--variants", default=None)
+    st.add_argument("--budget_from_sweep", action="store_true")
+    s = sub.add_parser("sweep", help="sparsity-level sweep on the SFT warm start")
+    _common_args(s)
+    s.add_argument("--budgets", default=DEFAULT_BUDGETS, help="sparse.budget values (pages)")
+    s.add_argument("--prompts", type=int, default=0,
+                   help="prompts per batch (default rl.prompts_per_step)")
+    s.add_argument("--batches", type=int, default=2,
+                   help="batches per budget; the first (compile) is not timed, so 1 batch "
+                        "gives no tokens/s")
+    s.add_argument("--kl_threshold", type=float, default=0.01,
+                   help="'measurably off-policy': mean exact KL per token at least this")
+    s.add_argument("--no_greedy", action="store_true",
+                   help="skip the actor's held-out greedy accuracy per budget")
+    rep = sub.add_parser("report", help="write docs/results.md and the figures")
+    rep.add_argument("--expdir", required=True)
+    rep.add_argument("--out", default=os.path.join(ROOT, "docs", "results.md"))
+    rep.add_argument("--fig_dir", default=None, help="default <dir of --out>/results")
+    return p
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_sft":
+        return _sft_child(argv[1:])
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["run", *argv]  # `experiment.py --expdir=...` = run
+    args = build_parser().parse_args(argv)
+    if args.command == "report":
+        _results().write_report(args.expdir, args.out, args.fig_dir)
+        return 0
+    if args.compile_cache is None:
+        args.compile_cache = os.path.join(args.expdir, "jax_cache")
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` stops the current run too
+    if args.command == "status":
+        args.dry_run, args.report = True, False
+        return cmd_run(args)
+    try:
+        return cmd_sweep(args) if args.command == "sweep" else cmd_run(args)
+    except KeyboardInterrupt:
+        print("\n[experiment] interrupted; rerun the same command to resume", flush=True)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The experiment harness (launch/experiment.py, launch/results.py): a tiny end-to-end
+sweep of two variants from one shared SFT warm start, its resume (a finished run is
+skipped, an unfinished one resumes from its checkpoint) and the generated report."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["model.d_model=32", "model.num_layers=2", "model.mlp_dim=64", "task.num_vars=4",
+        "task.num_terms=2", "sft.max_steps=2", "sft.batch_size=4", "sft.eval_every=2",
+        "eval.num_problems=4", "eval.every=1", "eval.mean_at_k=2", "rl.prompts_per_step=2",
+        "rl.samples_per_prompt=2", "rl.minibatches=2", "checkpoint.every=1",
+        "log.tensorboard=false", "attention.page_size=8", "sparse.budget=3",
+        "sparse.dense_layers=1", "lora.rank=2"]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"_{name}",
+                                                  os.path.join(ROOT, "launch", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _experiment(*args):
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "experiment.py"), *args]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+
+
+def _steps(workdir, phase):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [r["step"] for r in map(json.loads, f) if r["phase"] == phase]
+
+
+def test_plan_variants_and_overrides():
+    ex = _load("experiment")
+    assert ex.resolve_variants("dense,sparse+tis,distillsparse+M=2n", False) == [
+        "dense", "sparse_tis", "distillsparse_m2n"]
+    assert ex.resolve_variants(None, True) == list(ex.MAIN)
+    assert ex.resolve_variants(None, False) == list(ex.VARIANTS)
+    with pytest.raises(SystemExit):
+        ex.resolve_variants("nope", False)
+    # every variant at the first seed, then the main comparison's other seeds
+    assert ex.plan_runs(["dense", "sparse_tis", "distillsparse"], [0, 1]) == [
+        ("dense", 0), ("sparse_tis", 0), ("distillsparse", 0), ("dense", 1),
+        ("distillsparse", 1)]
+    cfg = os.path.join(ROOT, "configs", "gemma_math.py")
+    over = ex.run_overrides(cfg, {"rl.samples_per_prompt": 4}, "distillsparse_m2n", 3)
+    assert over["rl.samples_generated"] == 8 and over["seed"] == 3
+    assert over["rl.rollout_mode"] == "distillsparse"
+    assert ex.load_config(cfg, over).rl.samples_generated == 8
+    assert ex.run_overrides(cfg, {}, "sparse_mis", 0)["rl.is_correction"] == "mis"
+
+    class A:
+        quick, set, steps = True, ["rl.learning_rate=1e-4"], 5
+    common = ex.common_overrides(A)
+    assert common["rl.num_steps"] == 5 and common["rl.learning_rate"] == "1e-4"
+    assert common["task.num_terms"] == ex.QUICK["task.num_terms"]
+    A.set = ["rl.rollout_mode=dense"]  # defines the variants: refused
+    with pytest.raises(SystemExit):
+        ex.common_overrides(A)
+
+
+@pytest.mark.slow
+def test_tiny_experiment_resumes_and_reports(tmp_path):
+    exp = str(tmp_path / "exp")
+    sets = [a for s in TINY for a in ("--set", s)]
+    args = ["run", f"--expdir={exp}", "--seeds=0", "--steps=2",
+            "--variants=dense,distillsparse", *sets]
+    first = _experiment(*args)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert os.path.exists(os.path.join(exp, "sft_base", "sft", "DONE.json"))
+    for name in ("dense_s0", "distillsparse_s0"):
+        wd = os.path.join(exp, name)
+        assert _steps(wd, "rl") == [1, 2]
+        assert _steps(wd, "eval") == [0, 1, 2]
+        assert os.path.exists(os.path.join(wd, "sft", "DONE.json"))
+        assert os.path.exists(os.path.join(wd, "summary.json"))
+        with open(os.path.join(wd, "train.log")) as f:
+            assert "reusing cached warm start" in f.read()  # the shared SFT, not retrained
+    with open(os.path.join(exp, "distillsparse_s0", "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["rl"]["rollout_mode"] == "distillsparse"
+    assert cfg["metrics"]["position_bin"] == 16  # experiment.BASE: several position bins
+
+    # Second invocation: the finished run is skipped, the unfinished one (summary.json
+    # gone, as after a kill before the end) resumes from its checkpoint.
+    os.remove(os.path.join(exp, "distillsparse_s0", "summary.json"))
+    second = _experiment(*args)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "dense_s0: finished, skipped" in second.stdout
+    assert "distillsparse_s0: resuming (step 2)" in second.stdout
+    with open(os.path.join(exp, "distillsparse_s0", "train.log")) as f:
+        assert "resuming from checkpoint at step 2" in f.read()
+    with open(os.path.join(exp, "dense_s0", "experiment_run.json")) as f:
+        assert len(json.load(f)["attempts"]) == 1
+    assert _steps(os.path.join(exp, "distillsparse_s0"), "rl") == [1, 2]
+
+    # Other settings in the same expdir are refused, not mixed.
+    bad = _experiment(*args, "--set", "rl.learning_rate=1e-5", "--dry_run")
+    assert bad.returncode == 0  # --dry_run only lists
+    bad = _experiment(*args, "--set", "rl.learning_rate=1e-5")
+    assert bad.returncode != 0 and "other settings" in bad.stdout + bad.stderr
+
+    # Sparsity sweep on the shared warm start (reused, not retrained): one budget.
+    sweep = _experiment("sweep", f"--expdir={exp}", *sets, "--budgets=3", "--batches=1",
+                        "--no_greedy")
+    assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
+    with open(os.path.join(exp, "sweep", "sweep.json")) as f:
+        rows = json.load(f)["rows"]
+    assert [r["budget"] for r in rows] == [None, 3]
+    assert rows[1]["kl_exact"] > 0 and 0 < rows[1]["alpha_p5"] <= 1
+
+    # Report: table rows, figures, and a human-written Conclusions block kept.
+    out = str(tmp_path / "docs" / "results.md")
+    rep = _experiment("report", f"--expdir={exp}", f"--out={out}")
+    assert rep.returncode == 0, rep.stdout[-3000:] + rep.stderr[-3000:]
+    with open(out) as f:
+        text = f.read()
+    results = _load("results")
+    table = [l for l in text.splitlines() if l.startswith("| ") and "(`" in l]
+    assert any("(`dense`)" in l for l in table) and any("(`distillsparse`)" in l for l in table)
+    row = next(l for l in table if "(`distillsparse`)" in l).split("|")
+    assert row[7].strip() != "-"  # final KL(sparse || dense) of the sparse actor
+    assert "| 3 |" in text  # the sweep's row
+    for png in ("curves.png", "reward.png", "mismatch.png", "kl_bins.png", "alpha_bins.png",
+                "main_seeds.png", "throughput.png", "sweep.png"):
+        assert os.path.getsize(os.path.join(tmp_path, "docs", "results", png)) > 0
+        assert f"results/{png}" in text
+    edited = text.replace(results.PLACEHOLDER, "Claim 1 held: KL 0.1.")
+    with open(out, "w") as f:
+        f.write(edited)
+    results.write_report(exp, out)
+    with open(out) as f:
+        again = f.read()
+    assert "Claim 1 held: KL 0.1." in again and results.PLACEHOLDER not in again

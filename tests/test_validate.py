@@ -1,0 +1,146 @@
+"""Config validation (dsparse_jax/train/validate.py): each bad value is rejected before
+anything compiles, with one line that names the field."""
+
+import importlib.util
+import math
+import os
+
+import pytest
+
+from dsparse_jax.data import batches
+from dsparse_jax.train import run
+from dsparse_jax.train.validate import ConfigError, validate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def default():
+    spec = importlib.util.spec_from_file_location("gemma_math_cfg",
+                                                  os.path.join(ROOT, "configs", "gemma_math.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config()
+
+
+def _set(c, field, value):
+    *path, name = field.split(".")
+    for p in path:
+        c = c[p]
+    c[name] = value
+
+
+# (field, value, expected text after "config.<field>: "); defaults: n = M = 8 samples,
+# 4 layers, sparse budget 6 with 1 sink + 2 recent pages, 16 vars, 8 terms, page 16.
+CASES = [
+    # group sizes: M >= n >= 2
+    ("rl.samples_per_prompt", 1, "must be >= 2"),
+    ("rl.samples_generated", 4, "must be 0 (= samples_per_prompt) or >= samples_per_prompt"),
+    # sparse budget covers the reserved (sink + recent) pages; dense layers <= layers
+    ("sparse.budget", 2, "must be >= sink_pages + recent_pages (3)"),
+    ("sparse.recent_pages", 0, "must be a positive integer"),
+    ("sparse.dense_layers", 5, "must be <= the model's 4 layers"),
+    ("sparse.dense_layers", -1, "must be an integer >= 0"),
+    # learning rates (and gradient clips) finite and positive
+    ("rl.learning_rate", 0.0, "must be finite and > 0"),
+    ("rl.learning_rate", -1e-4, "must be finite and > 0"),
+    ("rl.learning_rate", math.nan, "must be finite and > 0"),
+    ("sft.learning_rate", math.inf, "must be finite and > 0"),
+    ("lora.learning_rate", 0.0, "must be finite and > 0"),
+    ("rl.max_grad_norm", math.nan, "must be finite and > 0"),
+    ("lora.weight_decay", -0.1, "must be finite and >= 0"),
+    ("rl.warmup_steps", -1, "must be an integer >= 0"),
+    ("rl.temperature", math.inf, "must be finite and > 0"),
+    # batch structure, and the batch divisible by the mesh's batch axes (data x fsdp)
+    ("rl.minibatches", 3, "must divide the rollout batch"),
+    ("mesh.data", 3, "the batch shards data x fsdp = 3 must divide rl.prompts_per_step (8"),
+    ("mesh.fsdp", 16, "data x fsdp = 16 must divide rl.prompts_per_step (8 rows)"),
+    ("mesh.data", 0, "must be >= 1 or -1"),
+    ("mesh.tensor", 0, "must be a positive integer"),
+    ("rl.microbatches", 3, "must divide the minibatch size 32"),
+    ("rl.prompts_per_step", 0, "must be a positive integer"),
+    # task, model, cache
+    ("task.num_terms", 27, "must be <= task.num_vars"),
+    ("task.num_vars", 27, "num_vars must be in [1, 26]"),
+    ("task.format_reward", 1.0, "must be finite and < 1"),
+    ("model.num_layers", 0, "model.num_layers must be positive"),
+    ("model.preset", "gemma9", "unknown preset"),
+    ("attention.page_size", 0, "must be a positive integer"),
+    # loop and reliability settings
+    ("rl.max_consecutive_skips", -1, "must be an integer >= 0"),
+    ("checkpoint.keep", 0, "must be a positive integer"),
+    ("checkpoint.every", 0, "must be a positive integer"),
+    ("rl.rollout_mode", "sparsest", "must be one of"),
+]
+
+
+def test_default_config_is_valid():
+    validate(default())
+
+
+@pytest.mark.parametrize("field,value,message", CASES,
+                         ids=[f"{f}={v}" for f, v, _ in CASES])
+def test_bad_value_names_the_field(field, value, message):
+    c = default()
+    _set(c, field, value)
+    with pytest.raises(ConfigError) as e:
+        validate(c)
+    text = str(e.value)
+    assert text.startswith(f"config.{field}: "), text
+    assert message in text, text
+    assert "\n" not in text
+
+
+@pytest.mark.parametrize("field", ["rl.learning_rat", "sparse.budgets", "optimizer"])
+def test_unknown_keys_are_rejected(field):
+    c = default()
+    *path, name = field.split(".")
+    section = c
+    for p in path:
+        section = section[p]
+    section[name] = 1
+    with pytest.raises(ConfigError) as e:
+        validate(c)
+    assert str(e.value) == f"config.{field}: unknown key (not declared in " \
+                           "configs/gemma_math.py)"
+
+
+def test_dataset_lengths_fit_the_cache():
+    c = default()
+    c.data.source = "jsonl:/nonexistent/train.jsonl"  # not read by validation
+    validate(c)
+    c.data.max_new_tokens = 0
+    with pytest.raises(ConfigError, match=r"^config\.data\.max_new_tokens: must be a positive"):
+        validate(c)
+
+
+def test_missing_key_is_reported():
+    c = default()
+    del c.rl["tis_cap"]
+    with pytest.raises(ConfigError, match=r"^config\.rl\.tis_cap: missing"):
+        validate(c)
+
+
+@pytest.mark.parametrize("broken,field", [
+    (lambda task, page: 16 * 7 + 3, "attention.page_size"),  # not whole pages
+    (lambda task, page: 16, "task.num_terms"),  # prompt + generation do not fit
+])
+def test_cache_shape_invariants(monkeypatch, broken, field):
+    """The KV cache length is derived (whole pages of prompt + generation); the checks
+    guard that derivation."""
+    monkeypatch.setattr(batches, "sequence_buffer", broken)
+    with pytest.raises(ConfigError, match=rf"^config\.{field}: "):
+        validate(default())
+
+
+def test_validation_runs_before_anything_is_built(tmp_path, monkeypatch):
+    from dsparse_jax.train import context
+
+    def boom(_):
+        raise AssertionError("context.build ran before validation")
+
+    monkeypatch.setattr(context, "build", boom)
+    c = default()
+    c.rl.samples_generated = 3
+    with pytest.raises(ConfigError, match="config.rl.samples_generated"):
+        run.main(c, str(tmp_path / "wd"))
+    assert not os.path.exists(tmp_path / "wd")  # nothing written either
