@@ -12,12 +12,12 @@ CFG = mt.ChainTaskConfig()
 
 def solve(prompt: str, modulus: int) -> tuple[list[str], str]:
     """Independent solver: parses the prompt text, returns (solution lines, answer)."""
-    m = re.fullmatch(r"vars: ((?:[a-z][0-9]*=[0-9] ?)+)\nsum: ((?:[+-][a-z][0-9]* ?)+)\n",
+    m = re.fullmatch(r"vars: ((?:[a-z][0-9]*[0-9] ?)+)\nsum: ((?:[+-][a-z][0-9]* ?)+)\n",
                      prompt)
     assert m, prompt
     values = {}
     for d in m.group(1).split(" "):
-        name, v = d.split("=")
+        name, v = d[:-1], d[-1]  # the value is the definition's last digit
         assert name not in values
         values[name] = int(v)
     total, lines = 0, []
@@ -26,7 +26,7 @@ def solve(prompt: str, modulus: int) -> tuple[list[str], str]:
     for t in terms:
         sign = 1 if t[0] == "+" else -1
         total = (total + sign * values[t[1:]]) % modulus
-        lines.append(f"{t}={values[t[1:]]} t={total}")
+        lines.append(f"{t}{values[t[1:]]} t={total}")
     return lines, str(total)
 
 
@@ -59,7 +59,7 @@ def test_solution_is_correct(cfg):
         lines, answer = solve(p.prompt, cfg.modulus)
         assert p.answer == answer
         assert p.solution == "\n".join(lines) + "\nanswer: " + answer
-        assert p.prompt.count("=") == cfg.num_vars
+        assert len(p.prompt.split("\n")[0].split(" ")) == cfg.num_vars + 1
         assert len(p.prompt) <= mt.max_prompt_chars(cfg)
         assert len(p.solution) <= mt.max_solution_chars(cfg)
         assert chain_reward(p.solution, p.answer) == 1.0
@@ -77,9 +77,9 @@ def test_length_bounds_exact_and_linear():
         cfg = mt.ChainTaskConfig(num_vars=max(24, t), num_terms=t)
         p = mt.make_problem(cfg, "train", 0, seed=0)
         assert len(p.prompt) == mt.max_prompt_chars(cfg)
-        assert len(p.solution) == mt.max_solution_chars(cfg) == 10 * t + 9
+        assert len(p.solution) == mt.max_solution_chars(cfg) == 9 * t + 9
         lens[t] = len(p.solution)
-    assert lens[200] - lens[100] == 2 * (lens[100] - lens[50]) == 1000  # 10 tokens/term
+    assert lens[200] - lens[100] == 2 * (lens[100] - lens[50]) == 900  # 9 tokens/term
 
 
 def test_config_validation():
@@ -114,18 +114,18 @@ def test_tokenizer_covers_everything():
 
 
 def test_rewards():
-    assert extract_answer("+a1=3 t=3\nanswer: 3") == "3"
-    assert chain_reward("+a1=3 t=3\nanswer: 3", "3") == 1.0
+    assert extract_answer("+a13 t=3\nanswer: 3") == "3"
+    assert chain_reward("+a13 t=3\nanswer: 3", "3") == 1.0
     assert chain_reward("answer: 3", "3", format_reward=0.1) == 1.0
     assert chain_reward("answer:3  \nmore text", "3") == 1.0  # text after the line ignored
-    assert chain_reward("+a1=3 t=3\nanswer: 4", "3") == 0.0
-    assert chain_reward("+a1=3 t=3\nanswer: 4", "3", format_reward=0.1) == pytest.approx(0.1)
+    assert chain_reward("+a13 t=3\nanswer: 4", "3") == 0.0
+    assert chain_reward("+a13 t=3\nanswer: 4", "3", format_reward=0.1) == pytest.approx(0.1)
     assert chain_reward("answer: 03", "3", format_reward=0.1) == pytest.approx(0.1)
     # Only the first answer line counts.
     assert chain_reward("answer: 4\nanswer: 3", "3") == 0.0
     assert extract_answer("answer: x\nanswer: 3") is None
     # Missing or malformed answers get nothing, even with a format reward.
-    for bad in ["", "+a1=3 t=3", "answer:", "answer: ", "answer: 3 4", "answer: -3",
+    for bad in ["", "+a13 t=3", "answer:", "answer: ", "answer: 3 4", "answer: -3",
                 "the answer: 3", " answer: 3", "Answer: 3", "answer: ３", "answer: 3.0",
                 "answer: " + "9" * 40]:
         assert extract_answer(bad) is None, bad

@@ -1,29 +1,35 @@
 """The default RL task: a procedurally generated "variable chain" sum.
 
 A problem defines `num_vars` variables (names: a letter then `name_digits`
-digits, e.g. "k3"; 260 names with the default 1 digit) with values 0..9, then
-asks for a signed sum over `num_terms` distinct defined variables, modulo
-`modulus`. Definitions and terms each come in
-their own random order and every sign is random, the first one included.
+digits, e.g. "k3"; single letters with the default 0 digits) with values 0..9,
+then asks for a signed sum over `num_terms` distinct defined variables, modulo
+`modulus`. Definitions and terms each come in their own random order and every
+sign is random, the first one included. A definition is the name immediately
+followed by its value digit ("k7": k = 7; "k37" with name_digits=1: k3 = 7).
 
-    prompt:   "vars: k3=7 b1=2 q0=5 z9=4\\nsum: -b1 +k3 +q0\\n"
-    solution: "-b1=2 t=8\\n+k3=7 t=5\\n+q0=5 t=0\\nanswer: 0"
+    prompt:   "vars: k7 b2 q5 z4\nsum: -b +k +q\n"
+    solution: "-b2 t=8\n+k7 t=5\n+q5 t=0\nanswer: 0"
 
-Solution format: one line per term, in expression order, "<sign><name>=<value>
+Solution format: one line per term, in expression order, "<sign><name><value>
 t=<running total>", the running total starting from 0 and reduced mod `modulus`
 after each term (-2 mod 10 = 8 above), then "answer: <final total>" with no
-newline after it. The prompt ends with "\\n" right where the solution begins.
+newline after it. The prompt ends with "\n" right where the solution begins.
 Each solution line needs three far-apart facts: which term comes next (the
 expression line), that term's value (the definitions) and the previous total, so
-attention has to reach back across the whole context.
+attention has to reach back across the whole context. Writing the value right
+after the name, in the definition and in the solution, makes the lookup a plain
+induction-head copy (find the earlier occurrence of the name, copy the token
+after it), which a tiny model learns in a few hundred SFT steps; with a
+separator ("k=7") it needs a two-token match and was not learned in 900 steps.
 
 Lengths in characters (= tokens with the char-level tokenizer), with
-n = name_digits and d = number of digits of (modulus - 1), both 1 by default:
-    prompt   = 11 + (4 + n) * num_vars + (3 + n) * num_terms
-    solution <= (8 + n + d) * num_terms + 8 + d   (exact if modulus <= 10,
+n = name_digits and d = number of digits of (modulus - 1):
+    prompt   = 11 + (3 + n) * num_vars + (3 + n) * num_terms
+    solution <= (7 + n + d) * num_terms + 8 + d   (exact if modulus <= 10,
                                                    min_terms None)
-So 10 tokens per term by default: 109 tokens at 10 terms, 2609 at 260 terms (the
-most with 1-digit names); name_digits=2 allows 2600 terms, 11 tokens each.
+So 8 tokens per term with single-letter names (the main job's default, at most
+26 terms), 9 with name_digits=1 (99 tokens at 10 terms, 2349 at 260, its most);
+name_digits=2 allows 2600 terms, 10 tokens each.
 """
 from __future__ import annotations
 
@@ -115,7 +121,7 @@ def make_problem(cfg: ChainTaskConfig, split: str, index: int, seed: int) -> Pro
     term_idx = rng.choice(cfg.num_vars, size=num_terms, replace=False)
     signs = rng.integers(0, 2, size=num_terms)  # 0: '+', 1: '-'
 
-    defs = " ".join(f"{n}={v}" for n, v in zip(names, values))
+    defs = " ".join(f"{n}{v}" for n, v in zip(names, values))
     terms = [("-" if s else "+") + names[i] for s, i in zip(signs, term_idx)]
     prompt = f"vars: {defs}\nsum: {' '.join(terms)}\n"
 
@@ -123,7 +129,7 @@ def make_problem(cfg: ChainTaskConfig, split: str, index: int, seed: int) -> Pro
     for s, i, term in zip(signs, term_idx, terms):
         value = int(values[i])
         total = (total - value if s else total + value) % cfg.modulus
-        lines.append(f"{term}={value} t={total}")
+        lines.append(f"{term}{value} t={total}")
     answer = str(total)
     solution = "\n".join(lines) + "\n" + ANSWER_PREFIX + answer
     return Problem(prompt=prompt, solution=solution, answer=answer)
@@ -138,15 +144,15 @@ def problems(cfg: ChainTaskConfig, split: str, start: int, count: int,
 def max_prompt_chars(cfg: ChainTaskConfig) -> int:
     """Exact upper bound on len(prompt) (exact length when min_terms is None)."""
     n = cfg.name_digits
-    # " k3=7" per definition, " +k3" per term.
-    return len("vars:\nsum:\n") + (4 + n) * cfg.num_vars + (3 + n) * cfg.num_terms
+    # " k37" per definition, " +k3" per term.
+    return len("vars:\nsum:\n") + (3 + n) * cfg.num_vars + (3 + n) * cfg.num_terms
 
 
 def max_solution_chars(cfg: ChainTaskConfig) -> int:
     """Upper bound on len(solution), reached when every total has the most digits."""
     d = len(str(cfg.modulus - 1))
-    # Per term: sign, name, '=', value digit, ' t=', total, '\n'.
-    per_term = 1 + (1 + cfg.name_digits) + 1 + 1 + 3 + d + 1
+    # Per term: sign, name, value digit, ' t=', total, '\n'.
+    per_term = 1 + (1 + cfg.name_digits) + 1 + 3 + d + 1
     return cfg.num_terms * per_term + len(ANSWER_PREFIX) + d
 
 
