@@ -58,6 +58,8 @@ def apply_paper_settings(c, generation_length: int):
     c.rl.temperature = 1.0
     c.rl.kl_coef = 0.0
     c.lora.learning_rate = 1e-5
+    c.distill.loss = "ppo+kl"
+    c.distill.kl_coef = 1e-3  # the reference code's lambda (the tiny main job uses 1.0)
     c.data.max_new_tokens = generation_length
     if "mesh" in c:
         c.mesh.data, c.mesh.fsdp, c.mesh.tensor = -1, 1, 1
