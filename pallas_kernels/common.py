@@ -6,16 +6,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+# The reference's mask value (finite: masked rows never give NaN) and soft-cap, and the
+# dispatcher's interpret-mode rule (Mosaic on TPU, interpret elsewhere): one source each.
+from dsparse_jax.attention.api import interpret_mode as default_interpret  # noqa: F401
+from dsparse_jax.attention.dense import MASK_VALUE, softcap  # noqa: F401
 from dsparse_jax.attention.selection import NO_PAGE
 
 # A squeezed (size-1, dropped) block dimension; `None` in older Pallas.
 SQUEEZED = pl.Squeezed() if hasattr(pl, "Squeezed") else None
-MASK_VALUE = -2.3819763e38  # as dense.MASK_VALUE: finite, so masked rows never give NaN
-
-
-def default_interpret() -> bool:
-  """Pallas TPU kernels run compiled (Mosaic) on TPU and in interpret mode elsewhere."""
-  return jax.default_backend() != "tpu"
 
 
 def tpu_compiler_params(semantics: tuple[str, ...]):
@@ -24,8 +22,19 @@ def tpu_compiler_params(semantics: tuple[str, ...]):
   return pltpu.CompilerParams(dimension_semantics=semantics)
 
 
-def softcap(x, cap: float | None):
-  return x if cap is None else jnp.tanh(x / cap) * cap
+def online_softmax_step(s_RxC, ok_RxC, v_CxH, m_scr, l_scr, acc_scr):
+  """One flash-attention step: fold the logits s (rows x keys; masked where not ok) and
+  the values v into the running max m, normaliser l and unnormalised output acc."""
+  s_RxC = jnp.where(ok_RxC, s_RxC, MASK_VALUE)
+  m_prev = m_scr[...]
+  m_new = jnp.maximum(m_prev, s_RxC.max(axis=1, keepdims=True))
+  alpha = jnp.exp(m_prev - m_new)
+  p_RxC = jnp.where(ok_RxC, jnp.exp(s_RxC - m_new), 0.0)
+  l_scr[...] = alpha * l_scr[...] + p_RxC.sum(axis=1, keepdims=True)
+  acc_scr[...] = alpha * acc_scr[...] + jax.lax.dot_general(
+      p_RxC.astype(v_CxH.dtype), v_CxH, (((1,), (0,)), ((), ())),
+      preferred_element_type=jnp.float32)
+  m_scr[...] = m_new
 
 
 def sorted_page_slots(page_ids_BxKxP):

@@ -23,8 +23,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dsparse_jax.attention.spec import LayerInfo
-from pallas_kernels.common import (MASK_VALUE, SQUEEZED, default_interpret, softcap,
-                                   sorted_page_slots, tpu_compiler_params)
+from pallas_kernels.common import (MASK_VALUE, SQUEEZED, default_interpret,
+                                   online_softmax_step, softcap, sorted_page_slots,
+                                   tpu_compiler_params)
 
 
 def _decode_kernel(fetch_ref, nvalid_ref, pos_ref, q_ref, *refs, num_kv: int, slots: int,
@@ -61,18 +62,7 @@ def _decode_kernel(fetch_ref, nvalid_ref, pos_ref, q_ref, *refs, num_kv: int, sl
       ok = key_pos <= pos
       if window is not None:
         ok &= pos - key_pos < window
-      s_GxS = jnp.where(ok, s_GxS, MASK_VALUE)
-      m_prev = m_scr[...]
-      m_new = jnp.maximum(m_prev, s_GxS.max(axis=1, keepdims=True))
-      alpha = jnp.exp(m_prev - m_new)
-      p_GxS = jnp.where(ok, jnp.exp(s_GxS - m_new), 0.0)
-      l_scr[...] = alpha * l_scr[...] + p_GxS.sum(axis=1, keepdims=True)
-      v_SxH = v_refs[j][...]
-      pv = jax.lax.dot_general(p_GxS.astype(v_SxH.dtype), v_SxH,
-                               (((1,), (0,)), ((), ())),
-                               preferred_element_type=jnp.float32)
-      acc_scr[...] = alpha * acc_scr[...] + pv
-      m_scr[...] = m_new
+      online_softmax_step(s_GxS, ok, v_refs[j][...], m_scr, l_scr, acc_scr)
 
   @pl.when(p == pl.num_programs(2) - 1)
   def _finish():

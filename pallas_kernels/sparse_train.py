@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from dsparse_jax.attention.selection import NO_PAGE
 from dsparse_jax.attention.spec import LayerInfo
 from pallas_kernels.common import (MASK_VALUE, SQUEEZED, default_interpret,
-                                   tpu_compiler_params)
+                                   online_softmax_step, tpu_compiler_params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,16 +102,7 @@ def _fwd_kernel(need_ref, fetch_ref, q_ref, k_ref, v_ref, ids_ref, dense_ref,
   @pl.when(need_ref[_table_index(cfg, b, h, qi, kj, cfg.nk)] != 0)
   def _tile():
     s, ok = _tile_logits(cfg, qi, kj, q_ref[...], k_ref[...], ids_ref[...], dense_ref[...])
-    s = jnp.where(ok, s, MASK_VALUE)
-    m_prev = m_scr[...]
-    m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-    alpha = jnp.exp(m_prev - m_new)
-    p = jnp.where(ok, jnp.exp(s - m_new), 0.0)
-    l_scr[...] = alpha * l_scr[...] + p.sum(axis=1, keepdims=True)
-    v = v_ref[...]
-    acc_scr[...] = alpha * acc_scr[...] + jax.lax.dot_general(
-        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    m_scr[...] = m_new
+    online_softmax_step(s, ok, v_ref[...], m_scr, l_scr, acc_scr)
 
   @pl.when(kj == cfg.nk - 1)
   def _finish():
