@@ -36,7 +36,7 @@ def _sibling(name):
 
 def get_config():
     g3 = _sibling("gemma3_1b_gsm8k.py")
-    c = g3.apply_paper_settings(g3._base(), generation_length=2048)  # pylint: disable=protected-access
+    c = g3.apply_paper_settings(g3.base_config(), generation_length=2048)
     c.name = "gemma2_2b_math"
     # With checkpoint_dir, shapes come from its config.json; these match it (preset shapes).
     c.model.preset = "gemma2_2b"

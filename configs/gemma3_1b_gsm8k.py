@@ -27,7 +27,8 @@ import importlib.util
 import os
 
 
-def _base():
+def base_config():
+    """configs/gemma_math.py's config: every real-model config starts from it."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemma_math.py")
     spec = importlib.util.spec_from_file_location("gemma_math_base", path)
     mod = importlib.util.module_from_spec(spec)
@@ -68,7 +69,7 @@ def apply_paper_settings(c, generation_length: int):
 
 
 def get_config():
-    c = apply_paper_settings(_base(), generation_length=1024)
+    c = apply_paper_settings(base_config(), generation_length=1024)
     c.name = "gemma3_1b_gsm8k"
     # With checkpoint_dir, shapes come from its config.json; these match it (preset shapes).
     c.model.preset = "gemma3_1b"
