@@ -4,7 +4,6 @@ the rollout log-probs on the kept rows, the oversampling filter keeps n of M, ph
 only in distillsparse, checkpoints round-trip phi."""
 
 import copy
-import importlib.util
 import math
 import os
 
@@ -14,17 +13,13 @@ import numpy as np
 import pytest
 
 from dsparse_jax.train import context, rl_loop
-from dsparse_jax.train.validate import ConfigError, validate
+from dsparse_jax.train.validate import ConfigError, load_config, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def base_config():
-    spec = importlib.util.spec_from_file_location("gemma_math",
-                                                  os.path.join(ROOT, "configs", "gemma_math.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    c = mod.get_config()
+    c = load_config(os.path.join(ROOT, "configs", "gemma_math.py"))
     c.model.d_model, c.model.num_layers, c.model.mlp_dim = 32, 2, 64
     c.task.num_vars, c.task.num_terms = 4, 2
     c.attention.page_size = 8  # 72-token buffer = 9 pages; budget 3 pages: really sparse

@@ -1,7 +1,6 @@
 """Gemma tokenizer, dataset sources (jsonl / parquet / tfds), the dataset task, and a real-
 data run context built from an exported HF-format checkpoint (no transformers needed)."""
 
-import importlib.util
 import json
 import os
 import sys
@@ -11,6 +10,7 @@ import pytest
 
 from dsparse_jax.data import gemma_tokenizer as gt
 from dsparse_jax.data import math_task, rewards, sources
+from dsparse_jax.train.validate import load_config
 
 CORPUS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as "
           "many clips in May. How many clips did Natalia sell altogether?",
@@ -154,11 +154,6 @@ def test_dataset_task_order_and_dispatch():
     assert batches.sequence_buffer(task, 16) == 96
 
 
-def _config(path):
-    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config()
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -167,14 +162,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_real_configs_validate():
     from dsparse_jax.train.validate import validate
     for name, budget, gen in (("gemma3_1b_gsm8k.py", 32, 1024), ("gemma2_2b_math.py", 32, 2048)):
-        c = _config(os.path.join(ROOT, "configs", name))
+        c = load_config(os.path.join(ROOT, "configs", name))
         validate(c)
         assert (c.attention.page_size, c.sparse.budget, c.sparse.dense_layers) == (16, budget, 2)
         assert (c.rl.samples_per_prompt, c.rl.samples_generated) == (8, 16)
         assert (c.rl.learning_rate, c.rl.clip_low, c.rl.clip_high) == (1e-6, 0.2, 0.28)
         assert c.model.param_dtype == c.model.dtype == "bfloat16"
         assert not c.sft.enabled and c.data.max_new_tokens == gen
-    default = _config(os.path.join(ROOT, "configs", "gemma_math.py"))
+    default = load_config(os.path.join(ROOT, "configs", "gemma_math.py"))
     assert default.data.source == "synthetic:chain" and default.sft.enabled
     assert default.model.checkpoint_dir == ""
 
@@ -199,7 +194,7 @@ def test_real_data_context_from_exported_checkpoint(tok, tmp_path):
     assert "model.safetensors" in hfc_files
     tok.save(ckpt / "tokenizer.model")
     _write_jsonl(tmp_path / "train.jsonl", GSM)
-    c = _config(os.path.join(ROOT, "configs", "gemma_math.py"))
+    c = load_config(os.path.join(ROOT, "configs", "gemma_math.py"))
     c.model.checkpoint_dir = str(ckpt)
     c.data.source = f"jsonl:{tmp_path}/train.jsonl"
     c.data.max_prompt_tokens = 192

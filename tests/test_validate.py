@@ -1,7 +1,6 @@
 """Config validation (dsparse_jax/train/validate.py): each bad value is rejected before
 anything compiles, with one line that names the field."""
 
-import importlib.util
 import math
 import os
 
@@ -9,17 +8,13 @@ import pytest
 
 from dsparse_jax.data import batches
 from dsparse_jax.train import run
-from dsparse_jax.train.validate import ConfigError, validate
+from dsparse_jax.train.validate import ConfigError, load_config, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def default():
-    spec = importlib.util.spec_from_file_location("gemma_math_cfg",
-                                                  os.path.join(ROOT, "configs", "gemma_math.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config()
+    return load_config(os.path.join(ROOT, "configs", "gemma_math.py"))
 
 
 def _set(c, field, value):

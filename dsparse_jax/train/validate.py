@@ -57,15 +57,19 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "configs", "gemma_math.py")
 
 
-@functools.lru_cache(maxsize=1)
-def default_config():
-    """configs/gemma_math.py's config (every field declared), or None if not found."""
-    if not os.path.exists(DEFAULT_CONFIG):
-        return None
-    spec = importlib.util.spec_from_file_location("_default_config", DEFAULT_CONFIG)
+def load_config(path: str = DEFAULT_CONFIG):
+    """get_config() of a config file: a fresh ConfigDict on every call."""
+    name = "_config_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.get_config()
+
+
+@functools.lru_cache(maxsize=1)
+def default_config():
+    """configs/gemma_math.py's config (every field declared), or None if not found."""
+    return load_config() if os.path.exists(DEFAULT_CONFIG) else None
 
 
 def check_keys(c, reference, prefix: str = "") -> None:
