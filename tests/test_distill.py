@@ -112,6 +112,16 @@ def test_dense_recompute_ignores_phi_and_twin_reproduces_rollout():
     # ...and differs from the dense policy (budget 3 of up to 8 pages).
     assert float(a["metrics"]["kl_exact"]) > 1e-4
     assert np.abs(np.asarray(a["dense_logp"] - a["twin_logp"])[mask]).max() > 1e-2
+    # Chunked recompute (rows in 2 groups, as when the update uses 2 microbatches) gives
+    # the same token log-probs and metrics (f32, 1e-5: only the matmul grouping differs).
+    c = distill.recompute(params, lora0, r.tokens, r.prompt_lengths, r.completion_mask,
+                          r.pages(), r.logprobs, graphdef=graphdef, twin_spec=SPARSE,
+                          chunks=2, **REC)
+    for k in ("dense_logp", "twin_logp", "dense_entropy"):
+        np.testing.assert_allclose(np.asarray(c[k]), np.asarray(a[k]), atol=1e-5)
+    for k, v in distill.flatten_metrics(jax.device_get(a["metrics"])).items():
+        got = distill.flatten_metrics(jax.device_get(c["metrics"]))[k]
+        assert got == pytest.approx(v, rel=1e-4, abs=1e-6, nan_ok=True), k
 
 
 def _rollout(tokens, mask, logprobs, prompt_lengths=None, page_ids=None):
@@ -205,7 +215,9 @@ def test_mismatch_metrics_against_numpy():
     lsm = lambda x: x - np.log(np.exp(x).sum(-1, keepdims=True))
     ld, lt = lsm(dense), lsm(twin)
     pick = lambda l: np.take_along_axis(l, tok[..., None], -1)[..., 0]
-    got = jax.jit(functools.partial(distill.mismatch_metrics, bin_width=2, num_bins=2))(
+    metrics_fn = lambda d, t, *a: distill.mismatch_metrics(
+        distill.token_mismatch(d, t), *a, bin_width=2, num_bins=2)
+    got = jax.jit(metrics_fn)(
         jnp.asarray(dense), jnp.asarray(twin), jnp.asarray(pick(ld)), jnp.asarray(pick(lt)),
         jnp.asarray(mask), distill.completion_positions(jnp.zeros((b, s)),
                                                         jnp.asarray(prompt_lengths)))

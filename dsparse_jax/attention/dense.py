@@ -38,7 +38,19 @@ def sequence_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer: LayerInfo,
   """Causal attention of a whole sequence over itself (training and prefill).
 
   allowed_BxKxTxT: optional extra per-KV-head mask (block-sparse teacher forcing).
+  Sliding-window layers over sequences of at least 4 windows are computed in bands
+  (`_banded_local_attention`, [T, 2W] scores instead of [T, T]), the same result up to
+  float rounding.
   """
+  t = q_BxTxNxH.shape[1]
+  if allowed_BxKxTxT is None and layer.window is not None and t >= 4 * layer.window:
+    return _banded_local_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer)
+  return _full_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer, allowed_BxKxTxT)
+
+
+def _full_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer: LayerInfo,
+                    allowed_BxKxTxT=None):
+  """sequence_attention over the full [T, T] score matrix, masked."""
   b, t, n, h = q_BxTxNxH.shape
   kv = k_BxTxKxH.shape[2]
   q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, kv, n // kv, h) * layer.scale
@@ -52,6 +64,32 @@ def sequence_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer: LayerInfo,
   probs = _masked_softmax(logits, ok).astype(v_BxTxKxH.dtype)
   out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxTxKxH)
   return out.reshape(b, t, n, h)
+
+
+def _banded_local_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer: LayerInfo):
+  """Sliding-window attention in blocks of W = window queries: block i sees the keys of
+  blocks i-1 and i (every key within the window of its queries), so the scores are
+  [T, 2W] instead of [T, T]; the keys outside the window are masked as in
+  _full_attention and contribute exactly zero probability."""
+  b, t, n, h = q_BxTxNxH.shape
+  kv, w = k_BxTxKxH.shape[2], layer.window
+  nb = -(-t // w)
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, nb * w - t), (0, 0), (0, 0)))
+  q = pad(q_BxTxNxH).reshape(b, nb, w, kv, n // kv, h) * layer.scale
+  k_BxNBxWxKxH = pad(k_BxTxKxH).reshape(b, nb, w, kv, h)
+  v_BxNBxWxKxH = pad(v_BxTxKxH).reshape(b, nb, w, kv, h)
+  prev = lambda x: jnp.pad(x, ((0, 0), (1, 0), (0, 0), (0, 0), (0, 0)))[:, :-1]
+  k2 = jnp.concatenate([prev(k_BxNBxWxKxH), k_BxNBxWxKxH], axis=2)  # [B, NB, 2W, K, H]
+  v2 = jnp.concatenate([prev(v_BxNBxWxKxH), v_BxNBxWxKxH], axis=2)
+  logits = jnp.einsum("bnqkgh,bnskh->bnkgqs", q, k2, preferred_element_type=jnp.float32)
+  logits = softcap(logits, layer.softcap)
+  blk = jnp.arange(nb)[:, None, None]
+  q_pos = blk * w + jnp.arange(w)[None, :, None]
+  k_pos = (blk - 1) * w + jnp.arange(2 * w)[None, None, :]
+  ok = visible_mask(q_pos, k_pos, w) & (k_pos >= 0)  # [NB, W, 2W]
+  probs = _masked_softmax(logits, ok[None, :, None, None]).astype(v_BxTxKxH.dtype)
+  out = jnp.einsum("bnkgqs,bnskh->bnqkgh", probs, v2)
+  return out.reshape(b, nb * w, n, h)[:, :t]
 
 
 def _window_slice(x_BxKxSxH, start_B, size: int):

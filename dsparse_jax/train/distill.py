@@ -34,7 +34,7 @@ import numpy as np
 from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.rl import losses, mismatch
 from dsparse_jax.train import sharding
-from dsparse_jax.train.steps import accumulated_update, token_logprobs
+from dsparse_jax.train.steps import accumulated_update, map_row_chunks, token_logprobs
 
 KL_KINDS = ("k1", "k2", "k3", "exact_reverse", "exact_forward")
 DISTILL_LOSSES = ("ppo+kl", "kl_only")
@@ -47,22 +47,29 @@ def completion_positions(tokens_BxS, prompt_lengths_B):
     return jnp.arange(tokens_BxS.shape[1])[None, :] - prompt_lengths_B[:, None]
 
 
-def mismatch_metrics(dense_logits, twin_logits, dense_logp, twin_logp, mask_BxS,
-                     positions_BxS, *, bin_width: int, num_bins: int) -> dict:
+def token_mismatch(dense_logits, twin_logits) -> dict:
+    """Per token, from the two full distributions: alpha = sum_v min(p_dense, p_sparse),
+    exact KL(sparse || dense) (kl_rev) and KL(dense || sparse) (kl_fwd); each [B, S]."""
+    return {"alpha": mismatch.token_acceptance(dense_logits, twin_logits),
+            "kl_rev": mismatch.token_kl(twin_logits, dense_logits),
+            "kl_fwd": mismatch.token_kl(dense_logits, twin_logits)}
+
+
+def mismatch_metrics(token_stats: dict, dense_logp, twin_logp, mask_BxS, positions_BxS, *,
+                     bin_width: int, num_bins: int) -> dict:
     """Exact mismatch between the rollout policy's twin (p_sparse) and pi_dense.
 
-    Per token: alpha = sum_v min(p_dense, p_sparse), exact KL(sparse || dense) and
-    KL(dense || sparse), the k3 estimate of KL(sparse || dense) on the sampled token, and
-    the log-ratio d = logp_dense - logp_sparse (log rho of TIS/MIS). Returns scalars and,
-    per completion-position bin, arrays [num_bins] (NaN for empty bins).
+    token_stats: `token_mismatch` of the batch. Adds the k3 estimate of KL(sparse || dense)
+    on the sampled token and the log-ratio d = logp_dense - logp_sparse (log rho of
+    TIS/MIS). Returns scalars and, per completion-position bin, arrays [num_bins] (NaN
+    for empty bins).
     """
-    alpha = mismatch.token_acceptance(dense_logits, twin_logits)
-    kl_rev = mismatch.token_kl(twin_logits, dense_logits)
-    kl_fwd = mismatch.token_kl(dense_logits, twin_logits)
+    alpha, kl_rev = token_stats["alpha"], token_stats["kl_rev"]
     k3 = losses.kl_estimate(twin_logp, dense_logp, "k3")
     mean = lambda x: losses.masked_mean(x, mask_BxS)
     out = {"alpha_mean": mean(alpha), "alpha_p5": mismatch.masked_percentile(alpha, mask_BxS, 5.0),
-           "kl_exact": mean(kl_rev), "kl_exact_fwd": mean(kl_fwd), "kl_k3": mean(k3)}
+           "kl_exact": mean(kl_rev), "kl_exact_fwd": mean(token_stats["kl_fwd"]),
+           "kl_k3": mean(k3)}
     out.update(_log_ratio_metrics(dense_logp, twin_logp, mask_BxS))
     a_bins = mismatch.position_bins(alpha, mask_BxS, positions_BxS, bin_width, num_bins)
     k_bins = mismatch.position_bins(kl_rev, mask_BxS, positions_BxS, bin_width, num_bins)
@@ -92,13 +99,29 @@ def flatten_metrics(m: dict, prefix: str = "") -> dict:
 
 
 # ------------------------------------------------------------------------------ recompute
+def _token_stats(params, lora, tokens_BxS, pages, *, graphdef, temperature, dense_spec,
+                 twin_spec, lora_scale) -> dict:
+    """Per-token outputs of the recompute on one chunk of rows: dense_logp, dense_entropy
+    and, with a twin, twin_logp and `token_mismatch` (the [B, S, V] logits stay here)."""
+    dense_logp, dense_ent, dense_logits = token_logprobs(
+        graphdef, params, tokens_BxS, temperature=temperature, spec=dense_spec, with_logits=True)
+    out = {"dense_logp": dense_logp, "dense_entropy": dense_ent}
+    if twin_spec is not None:
+        twin_logp, _, twin_logits = token_logprobs(
+            graphdef, params, tokens_BxS, temperature=temperature, spec=twin_spec, pages=pages,
+            lora=lora, lora_scale=lora_scale, with_logits=True)
+        out["twin_logp"] = twin_logp
+        out.update(token_mismatch(dense_logits, twin_logits))
+    return out
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "dense_spec",
                                              "twin_spec", "lora_scale", "bin_width",
-                                             "num_bins"))
+                                             "num_bins", "chunks"))
 def recompute(params, lora, tokens_BxS, prompt_lengths_B, mask_BxS, pages, rollout_logp_BxS,
               *, graphdef, temperature: float, dense_spec: AttentionSpec,
               twin_spec: AttentionSpec | None, lora_scale: float = 1.0, bin_width: int = 256,
-              num_bins: int = 1) -> dict:
+              num_bins: int = 1, chunks: int = 1) -> dict:
     """Teacher-forced log-probs of a rollout batch, no gradient.
 
     Always: dense_logp / dense_entropy (theta, dense_spec, no adapter). With twin_spec
@@ -107,21 +130,24 @@ def recompute(params, lora, tokens_BxS, prompt_lengths_B, mask_BxS, pages, rollo
     plus twin_mu_max_abs = max |twin_logp - rollout_logp| (should be ~0: the twin is the
     actor). Without a twin (dense mode) the metrics compare dense_logp with the sampler's
     own log-probs mu (numerics only).
+
+    The forwards run over `chunks` equal groups of rows in sequence (lax.map), so peak
+    memory is that of B / chunks rows; the metrics are computed over the whole batch.
     """
-    dense_logp, dense_ent, dense_logits = token_logprobs(
-        graphdef, params, tokens_BxS, temperature=temperature, spec=dense_spec, with_logits=True)
-    out = {"dense_logp": dense_logp, "dense_entropy": dense_ent}
-    m = mask_BxS
+    stats_fn = functools.partial(_token_stats, params, lora, graphdef=graphdef,
+                                 temperature=temperature, dense_spec=dense_spec,
+                                 twin_spec=twin_spec, lora_scale=lora_scale)
+    stats = map_row_chunks(lambda r: stats_fn(r["tokens"], r["pages"]),
+                           {"tokens": tokens_BxS, "pages": pages}, chunks)
+    out = {"dense_logp": stats["dense_logp"], "dense_entropy": stats["dense_entropy"]}
+    dense_logp, m = stats["dense_logp"], mask_BxS
     if twin_spec is None:
         k3 = losses.kl_estimate(rollout_logp_BxS, dense_logp, "k3")
         metrics = {"kl_k3": losses.masked_mean(k3, m)}
         metrics.update(_log_ratio_metrics(dense_logp, rollout_logp_BxS, m))
     else:
-        twin_logp, _, twin_logits = token_logprobs(
-            graphdef, params, tokens_BxS, temperature=temperature, spec=twin_spec, pages=pages,
-            lora=lora, lora_scale=lora_scale, with_logits=True)
-        out["twin_logp"] = twin_logp
-        metrics = mismatch_metrics(dense_logits, twin_logits, dense_logp, twin_logp, m,
+        twin_logp = out["twin_logp"] = stats["twin_logp"]
+        metrics = mismatch_metrics(stats, dense_logp, twin_logp, m,
                                    completion_positions(tokens_BxS, prompt_lengths_B),
                                    bin_width=bin_width, num_bins=num_bins)
         metrics["twin_mu_max_abs"] = jnp.max(

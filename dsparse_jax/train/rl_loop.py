@@ -270,9 +270,14 @@ def _rl_step(ctx, setup, st, rng, step, ref_params):
                   twin_spec=setup.twin_spec, lora_scale=setup.lora_scale,
                   bin_width=ctx.config.metrics.position_bin, num_bins=setup.num_bins)
 
+    # Teacher-forced forwards (no gradient) run in chunks of the update's microbatch size,
+    # the largest group of rows the config already runs forward and backward at once.
+    chunk_rows = lambda rows: math.gcd(rows, c.minibatches * c.microbatches)
+
     def run_recompute(r):
         return distill.recompute(params, st.lora, r.tokens, r.prompt_lengths,
-                                 r.completion_mask, r.pages(), r.logprobs, **rec_kw)
+                                 r.completion_mask, r.pages(), r.logprobs,
+                                 chunks=chunk_rows(r.tokens.shape[0]), **rec_kw)
 
     # 1. rollout: M samples per prompt from the actor.
     t = time.time()
@@ -326,7 +331,8 @@ def _rl_step(ctx, setup, st, rng, step, ref_params):
     if setup.settings.kl_coef > 0:
         batch["ref_logp"], _ = recompute_logprobs(
             ref_params, kept.tokens, batch.get("pages"), graphdef=ctx.graphdef,
-            temperature=c.temperature, spec=setup.settings.spec)
+            temperature=c.temperature, spec=setup.settings.spec,
+            chunks=chunk_rows(kept.tokens.shape[0]))
     jax.block_until_ready(batch["old_logp"])
     times["time_recompute"] = time.time() - t
 
@@ -358,7 +364,8 @@ def _rl_step(ctx, setup, st, rng, step, ref_params):
             teacher_params = params if recomputed else teacher_params
         elif recomputed:  # dense log-probs of the updated theta
             phi_batch["teacher_logp"], _ = recompute_logprobs(
-                params, kept.tokens, graphdef=ctx.graphdef, temperature=c.temperature)
+                params, kept.tokens, graphdef=ctx.graphdef, temperature=c.temperature,
+                chunks=chunk_rows(kept.tokens.shape[0]))
         else:  # cached: step 4's dense log-probs, theta before its update
             phi_batch["teacher_logp"] = dense_logp
         jax.block_until_ready(phi_batch.get("teacher_logp", adv_B))

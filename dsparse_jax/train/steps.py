@@ -74,10 +74,19 @@ def split_microbatches(mb: dict, n: int) -> dict:
     """[B, ...] arrays -> [n, B / n, ...] (clear error when B is not divisible)."""
     def split(x):
         if x.shape[0] % n:
-            raise ValueError(f"minibatch of {x.shape[0]} rows is not divisible into {n} "
-                             "microbatches (rl.microbatches)")
+            raise ValueError(f"a batch of {x.shape[0]} rows is not divisible into {n} "
+                             "equal chunks (rl.minibatches x rl.microbatches)")
         return x.reshape(n, x.shape[0] // n, *x.shape[1:])
     return jax.tree.map(split, mb)
+
+
+def map_row_chunks(fn, rows: dict, chunks: int):
+    """fn(rows) computed on `chunks` equal groups of rows in sequence (lax.map) and
+    concatenated back to [B, ...]: peak memory of B / chunks rows, one compiled body."""
+    if chunks == 1:
+        return fn(rows)
+    out = jax.lax.map(fn, split_microbatches(rows, chunks))
+    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), out)
 
 
 def accumulated_update(terms_fn, wrt, opt_state, mb: dict, microbatches: int, tx):
