@@ -10,8 +10,10 @@ the actor's twin and the mismatch metrics in sparse modes), update (theta), teac
 (distill.teacher=recomputed only), phi_update (the sparse + LoRA teacher-forced forward
 and backward, and the phi optimizer step). Weights are the fresh random init unless
 --params_from names a run directory with a finished SFT warm start (<dir>/sft): a
-random model rarely emits EOS early, so completions run close to the budget. Prints a
-table and writes JSON to --out.
+random model often emits EOS after a few dozen tokens, so the timing benchmark uses
+--ignore_eos (default): every completion runs to the full generation budget, as in
+rollout benchmarks that fix the output length (rewards, and hence the gradients, are then
+mostly zero; the work per phase is the same). Prints a table and writes JSON to --out.
 """
 
 import copy
@@ -33,6 +35,8 @@ _STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per (length, mode), after
 _OUT = flags.DEFINE_string("out", "bench_rl_step.json", "JSON results path.")
 _PARAMS_FROM = flags.DEFINE_string("params_from", None,
                                    "Run dir whose SFT checkpoint (<dir>/sft) gives theta.")
+_IGNORE_EOS = flags.DEFINE_bool("ignore_eos", True,
+                                "Generate the full budget (EOS never ends a completion).")
 
 PHASES = ("time_rollout", "time_rewards", "time_filter", "time_recompute", "time_update",
           "time_teacher", "time_phi_update", "time_step")
@@ -50,6 +54,17 @@ def _sft_params(ctx, workdir):
                                                       rng=jax.random.key(0), step=0))
     ckpt.close()
     return checkpoints.from_saveable(tree, ctx.init_params, tx.init(ctx.init_params))[0]
+
+
+class _NoEos:
+    """The run's tokenizer with an EOS id no token has: rollouts run to the budget."""
+
+    def __init__(self, tok):
+        self._tok = tok
+        self.eos_id = -1
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
 
 
 def main(argv):
@@ -75,7 +90,8 @@ def main(argv):
             c = copy.deepcopy(base)
             c.rl.rollout_mode = mode
             validate(c)
-            run = context.RunContext(**{**ctx.__dict__, "config": c})
+            tok = _NoEos(ctx.tok) if _IGNORE_EOS.value else ctx.tok
+            run = context.RunContext(**{**ctx.__dict__, "config": c, "tok": tok})
             setup = rl_loop.make_setup(run)
             st = rl_loop.init_state(run, setup, jax.tree.map(jnp.copy, params0))
             rng = jax.random.key(0)
@@ -88,7 +104,9 @@ def main(argv):
             med = {p: statistics.median(t.get(p, 0.0) for t in timed) for p in PHASES}
             med["response_length_mean"] = statistics.mean(t["response_length_mean"]
                                                           for t in timed)
-            med.update(mode=mode, num_terms=terms, completion_budget=budget)
+            med.update(mode=mode, num_terms=terms, completion_budget=budget,
+                       batch_rows=c.rl.prompts_per_step * c.rl.samples_per_prompt,
+                       ignore_eos=_IGNORE_EOS.value)
             row[mode] = med
             results.append(med)
             print(f"[bench] terms {terms} (budget {budget} tokens) {mode}: " + " ".join(

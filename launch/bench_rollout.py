@@ -26,6 +26,14 @@ the median and minimum per step are reported. The selection overhead compares a 
 step at context L with a dense step at context budget * page_size tokens (the same
 number of KV entries read per global layer).
 
+Part 3 (--twin_lens), the teacher-forced twin: Transformer.forward (jitted, no gradient)
+over --twin_batch rows of T tokens (prompt_len prompt tokens, the rest completion), dense
+vs each sparse configuration given the page record of every completion position. The
+record is the streaming policy's (selection._streaming_pages at every position, the
+budget's slots all filled): which pages are recorded does not change the cost. Reports the
+median wall time of --twin_reps calls and XLA's compiled memory analysis (temporary
+buffers = the peak working set besides inputs and outputs).
+
 Configuration names: "dense", or "<policy>:<dense_layers>" (e.g. "distillsparse:0" is
 every global layer sparse, "distillsparse:2" keeps layers 0-1 dense, the default).
 """
@@ -77,6 +85,10 @@ def parse_args(argv=None):
   p.add_argument("--floor_step", type=int, default=1,
                  help="also time a dense step at one page of context (the non-attention "
                       "floor of a step)")
+  p.add_argument("--twin_lens", default="",
+                 help="part 3: sequence lengths for the teacher-forced twin (comma list)")
+  p.add_argument("--twin_batch", type=int, default=4)
+  p.add_argument("--twin_reps", type=int, default=3)
   p.add_argument("--skip_throughput", action="store_true")
   p.add_argument("--skip_steps", action="store_true")
   p.add_argument("--seed", type=int, default=0)
@@ -280,6 +292,71 @@ def bench_steps(model, args, configs, contexts):
   return rows
 
 
+# ----------------------------------------------------------------------------- part 3
+def twin_pages(spec, model, batch: int, seq_len: int, prompt_len: int):
+  """A decode record for every completion position (the streaming policy's pages)."""
+  import dataclasses
+
+  import jax.numpy as jnp
+  from dsparse_jax.attention import selection
+
+  sp = dataclasses.replace(spec.sparse, policy="streaming")
+  pos = jnp.arange(seq_len)
+  ids_TxKxP = selection._streaming_pages(sp, pos, spec.page_size, model.cfg.num_kv_heads,
+                                         -(-seq_len // spec.page_size))
+  ids = jnp.broadcast_to(ids_TxKxP[None], (batch, *ids_TxKxP.shape))
+  sparse_query = jnp.broadcast_to((pos >= prompt_len) & (pos < seq_len - 1), (batch, seq_len))
+  return {i: (ids, sparse_query) for i, blk in enumerate(model.layers)
+          if spec.is_sparse_layer(blk.attn.info)}
+
+
+def bench_twin(model, args, configs, lens):
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  graphdef, state = nnx.split(model)
+  b = args.twin_batch
+  rows = []
+  for t in lens:
+    tokens = jnp.asarray(np.random.RandomState(t).randint(1, model.cfg.vocab_size, (b, t)),
+                         jnp.int32)
+    dense_s = None
+    for name in configs:
+      spec = spec_for(name, args.budget, args.page_size)
+      pages = None if spec.sparse is None else twin_pages(spec, model, b, t, args.prompt_len)
+
+      def fwd(state, tokens, pages, spec=spec):
+        return nnx.merge(graphdef, state).forward(tokens, spec, pages=pages)
+
+      t0 = time.perf_counter()
+      compiled = jax.jit(fwd).lower(state, tokens, pages).compile()
+      row = {"seq_len": t, "config": name, "batch": b, "compile_s": time.perf_counter() - t0}
+      try:
+        mem = compiled.memory_analysis()
+        row["temp_bytes"] = int(mem.temp_size_in_bytes)
+        row["argument_bytes"] = int(mem.argument_size_in_bytes)
+      except Exception as e:  # noqa: BLE001 - not every backend reports it
+        row["memory_analysis"] = f"unavailable: {e}"
+      jax.block_until_ready(compiled(state, tokens, pages))
+      ts = []
+      for _ in range(args.twin_reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(state, tokens, pages))
+        ts.append(time.perf_counter() - t0)
+      row["forward_s"] = float(np.median(ts))
+      row["tokens_per_s"] = b * t / row["forward_s"]
+      if name == "dense":
+        dense_s = row["forward_s"]
+      elif dense_s:
+        row["twin_over_dense"] = row["forward_s"] / dense_s
+      rows.append(row)
+      log(f"[twin] T={t} {name}: {row['forward_s']:.2f} s"
+          + (f", temp {row['temp_bytes'] / 2**20:.0f} MiB" if "temp_bytes" in row else "")
+          + (f", x{row['twin_over_dense']:.2f} of dense" if "twin_over_dense" in row else ""))
+  return rows
+
+
 # ----------------------------------------------------------------------------- summary
 def summarize(args, throughput, steps):
   """Ratios and the issue's targets, from the measured rows only."""
@@ -383,9 +460,11 @@ def main(argv=None):
   throughput = ([] if args.skip_throughput
                 else bench_throughput(model, args, configs, gen_lens, checkpoint))
   steps = [] if args.skip_steps else bench_steps(model, args, configs, contexts)
+  twin_lens = [int(x) for x in args.twin_lens.split(",") if x]
+  twin = bench_twin(model, args, configs, twin_lens) if twin_lens else []
   meta["loadavg_end"] = os.getloadavg()
   meta["wall_s"] = time.time() - t_start
-  result = {"meta": meta, "throughput": throughput, "step": steps,
+  result = {"meta": meta, "throughput": throughput, "step": steps, "twin": twin,
             **summarize(args, throughput, steps)}
   text = json.dumps(result, indent=1)
   if args.out:
