@@ -5,7 +5,9 @@ phi is a plain nested dict, separate from theta (the model's nnx.State):
     {layer_index: {name: {"a": A, "b": B}}}     name in q, k, v, o, gate, up, down
 
 which Transformer.forward / prefill / decode take as `lora=` with `lora_scale=alpha / r`;
-each targeted linear map computes x.W + (x.A).B * alpha / r. Tensordot convention (as in
+each targeted linear map computes x.W + (x.A).B * alpha / r, as x.(W + A.B * alpha / r)
+in f32 (transformer.linear; the sampler merges once per call, Transformer.merge_lora).
+Tensordot convention (as in
 transformer.linear): W has shape (in_dims..., out_dims...), A (in_dims..., r) and
 B (r, out_dims...). The attention output map `o` contracts two input dims (heads,
 head_dim); every other map contracts one.

@@ -7,7 +7,7 @@ One model serves three call modes, all through the same attention interface
   decode(tokens_B, pos_B, cache)           one token per sequence at its own position
 Sequences are right-padded and token position == index. The static AttentionSpec picks
 dense or block-sparse attention and the implementation; `lora` is an optional delta tree
-{layer_index: {name: {"a": A, "b": B}}} applied as x.W + (x.A).B * lora_scale inside the
+{layer_index: {name: {"a": A, "b": B}}} applied as x.(W + A.B * lora_scale) inside the
 linear maps (names: q, k, v, o, gate, up, down).
 """
 
@@ -30,10 +30,25 @@ def _dtype(name: str):
   return jnp.dtype(name)
 
 
+def lora_weight(w, lora_ab, lora_scale: float):
+  """W + A.B * lora_scale in f32 (A: in_dims + (r,), B: (r,) + out_dims)."""
+  delta = jnp.tensordot(lora_ab["a"].astype(jnp.float32), lora_ab["b"].astype(jnp.float32),
+                        axes=1)
+  return w.astype(jnp.float32) + delta * lora_scale
+
+
 def linear(x, w, n_in: int, lora_ab=None, lora_scale: float = 1.0):
-  """x contracted over its last n_in dims with w's first n_in dims, plus a LoRA delta."""
+  """x contracted over its last n_in dims with w's first n_in dims, plus a LoRA delta.
+
+  In f32 the delta is merged, x.(W + A.B * s): one full-width matmul (and in training one
+  weight-gradient matmul that A and B share) instead of rank-r matmuls, which run far
+  below peak on CPU; same result up to float rounding. In lower precision a merged weight
+  would round small deltas away, so the delta is applied as (x.A).B * s.
+  """
+  if lora_ab is not None and x.dtype == jnp.float32:
+    w = lora_weight(w, lora_ab, lora_scale)
   y = jnp.tensordot(x, w.astype(x.dtype), axes=n_in)
-  if lora_ab is not None:
+  if lora_ab is not None and x.dtype != jnp.float32:
     xa = jnp.tensordot(x, lora_ab["a"].astype(x.dtype), axes=n_in)
     y = y + jnp.tensordot(xa, lora_ab["b"].astype(x.dtype), axes=1) * lora_scale
   return y
@@ -168,6 +183,20 @@ class Transformer(nnx.Module):
                            * cfg.d_model ** -0.5)
     self.layers = nnx.List([Block(cfg, i, rngs) for i in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+
+  def merge_lora(self, lora, lora_scale: float) -> bool:
+    """Replaces every adapted weight by W + A.B * lora_scale (f32), in place, when the
+    compute dtype is f32 (where `linear` merges anyway): a decode loop then pays nothing
+    per step for the adapter. Use on a transient model (e.g. inside a jitted sampler).
+    Returns whether it merged; if not, pass `lora` to the calls as usual."""
+    if not lora or _dtype(self.cfg.dtype) != jnp.float32:
+      return False
+    for i, maps in lora.items():
+      block = self.layers[int(i)]
+      for name, ab in maps.items():
+        param = getattr(block.attn if hasattr(block.attn, name) else block.mlp, name)
+        param.set_value(lora_weight(param[...], ab, lora_scale))
+    return True
 
   # -- pieces
   def _embed(self, tokens):

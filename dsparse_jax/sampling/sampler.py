@@ -136,6 +136,8 @@ class Sampler:
 
   def _sample(self, state, prompts_BxL, prompt_len_B, key, lora, *, cfg, spec, lora_scale):
     model = nnx.merge(self.graphdef, state)
+    if model.merge_lora(lora, lora_scale):  # theta + phi once, not at every decode step
+      lora = None
     n = cfg.samples_per_prompt
     b0, l = prompts_BxL.shape
     s = buffer_length(l, cfg.max_new_tokens, spec.page_size)
