@@ -133,6 +133,8 @@ def summarize_run(workdir: str) -> dict | None:
         "alpha_p5_first_bin": alpha_bins[min(alpha_bins)] if alpha_bins else None,
         "alpha_p5_longest_bin": alpha_bins[max(alpha_bins)] if alpha_bins else None,
         "longest_bin": max(alpha_bins) if alpha_bins else None,
+        "alpha_p5_worst_bin": min(alpha_bins.values()) if alpha_bins else None,
+        "worst_bin": min(alpha_bins, key=alpha_bins.get) if alpha_bins else None,
         "kl_first_bin": kl_bins[min(kl_bins)] if kl_bins else None,
         "kl_longest_bin": kl_bins[max(kl_bins)] if kl_bins else None,
         "kl_exact_first": _mean(r.get("kl_exact") for r in rl[:max(1, math.ceil(len(rl) / 10))]),
@@ -224,9 +226,9 @@ def main_table(runs: list[dict]) -> list[str]:
     kname = f"mean@{ks[0]}" if len(ks) == 1 else "mean@k"
     lines = [
         f"| method | seeds | RL steps | greedy acc. (step 0 → final) | {kname} "
-        "| actor greedy acc. | KL(sparse‖dense) final | p5 α, longest bin | rollout tok/s "
-        "| s / RL step | wall time / run |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        "| actor greedy acc. | KL(sparse‖dense) final | p5 α, longest bin | p5 α, worst bin "
+        "| rollout tok/s | s / RL step | wall time / run |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for v, rs in groups.items():
         seeds = ",".join(str(r["seed"]) for r in rs)
         steps = sorted({r["steps"] for r in rs})
@@ -237,10 +239,14 @@ def main_table(runs: list[dict]) -> list[str]:
         a5 = cell(rs, "alpha_p5_longest_bin")
         if a5 != "-" and bins:
             a5 += f" (bin {','.join(map(str, bins))})"
+        worst = cell(rs, "alpha_p5_worst_bin")
+        wbins = sorted({r["worst_bin"] for r in rs if r["worst_bin"] is not None})
+        if worst != "-" and wbins:
+            worst += f" (bin {','.join(map(str, wbins))})"
         lines.append(
             f"| {DESCRIPTIONS.get(v, v)} (`{v}`) | {seeds} | {'/'.join(map(str, steps))} "
             f"| {step0} → {cell(rs, 'greedy_accuracy')} | {cell(rs, 'mean_at_k')} "
-            f"| {cell(rs, 'actor_greedy_accuracy')} | {cell(rs, 'kl_exact', 3)} | {a5} "
+            f"| {cell(rs, 'actor_greedy_accuracy')} | {cell(rs, 'kl_exact', 3)} | {a5} | {worst} "
             f"| {cell(rs, 'rollout_tokens_per_s', 0)} | {cell(rs, 'time_step', 2)} | {wall} |")
     return lines
 
@@ -278,28 +284,28 @@ def claim_numbers(runs: list[dict]) -> list[str]:
 
     out = []
     if "sparse" in g:
-        out.append(line("1. Naive sparse is off-policy: final KL(sparse‖dense) {} per token "
+        out.append(line("- Claim 1, naive sparse is off-policy: final KL(sparse‖dense) {} per token "
                         "(first steps {}); p5 α {} in bin 0 vs {} in the longest bin; KL {} in "
                         "bin 0 vs {} in the longest bin.",
                         m("sparse", "kl_exact"), m("sparse", "kl_exact_first"),
                         m("sparse", "alpha_p5_first_bin"), m("sparse", "alpha_p5_longest_bin"),
                         m("sparse", "kl_first_bin"), m("sparse", "kl_longest_bin")))
         if "dense" in g:
-            out.append(line("   Training quality: held-out greedy accuracy dense {} vs naive "
+            out.append(line("  Training quality: held-out greedy accuracy dense {} vs naive "
                             "sparse {}; final rollout reward dense {} vs sparse {}.",
                             m("dense", "greedy_accuracy"), m("sparse", "greedy_accuracy"),
                             m("dense", "reward_final"), m("sparse", "reward_final")))
     for v, what in (("sparse_tis", "TIS clip fraction"), ("sparse_mis", "MIS masked fraction")):
         if v in g:
             key = "tis_clip_frac" if v == "sparse_tis" else "mis_masked_frac"
-            out.append(line(f"2. `{v}`: greedy accuracy {{}} (naive sparse {{}}, dense {{}}), "
+            out.append(line(f"- Claim 2, `{v}`: greedy accuracy {{}} (naive sparse {{}}, dense {{}}), "
                             f"final KL {{}}, {what} {{}}.",
                             m(v, "greedy_accuracy"), m("sparse", "greedy_accuracy"),
                             m("dense", "greedy_accuracy"), m(v, "kl_exact"), m(v, key)))
     if "distillsparse" in g:
         ds, sp = m("distillsparse", "kl_exact"), m("sparse", "kl_exact")
         ratio = (sp / ds) if _finite(sp) and _finite(ds) and ds > 0 else None
-        out.append(line("3. DistillSparse: final KL {} vs naive sparse {} (ratio sparse / "
+        out.append(line("- Claim 3, DistillSparse: final KL {} vs naive sparse {} (ratio sparse / "
                         "DistillSparse {}); p5 α longest bin {} vs {}; greedy accuracy {} vs "
                         "dense {}; actor greedy accuracy {}.",
                         ds, sp, ratio, m("distillsparse", "alpha_p5_longest_bin"),
@@ -308,12 +314,12 @@ def claim_numbers(runs: list[dict]) -> list[str]:
                         m("distillsparse", "actor_greedy_accuracy")))
         td, tds = m("dense", "rollout_tokens_per_s"), m("distillsparse", "rollout_tokens_per_s")
         sd, sds = m("dense", "time_step"), m("distillsparse", "time_step")
-        out.append(line("   Cost: rollout tokens/s {} vs dense {} (ratio {}); s per RL step {} "
+        out.append(line("  Cost: rollout tokens/s {} vs dense {} (ratio {}); s per RL step {} "
                         "vs dense {} (ratio dense / DistillSparse {}).",
                         tds, td, tds / td if _finite(td) and _finite(tds) and td else None,
                         sds, sd, sd / sds if _finite(sd) and _finite(sds) and sds else None))
     if "distillsparse_m2n" in g:
-        out.append(line("4. Oversampling M = 2n: greedy accuracy {} vs DistillSparse {}; final "
+        out.append(line("- Claim 4, oversampling M = 2n: greedy accuracy {} vs DistillSparse {}; final "
                         "KL {} vs {}; s per RL step {} vs {}.",
                         m("distillsparse_m2n", "greedy_accuracy"),
                         m("distillsparse", "greedy_accuracy"),
@@ -445,7 +451,8 @@ def render(expdir: str, runs: list[dict], fig_rel: str, figures: list[str],
         "attention, + LoRA in DistillSparse). *Final* KL and α: mean over the last 10% of RL "
         "steps of the exact per-token mismatch of the rollout policy vs the dense policy "
         "(none in dense mode); p5 α: 5th percentile of the acceptance α in the longest "
-        "completion-position bin with tokens. Tokens/s and s per step: medians over RL steps "
+        "completion-position bin with tokens, and in the bin where it is lowest (worst). "
+        "Tokens/s and s per step: medians over RL steps "
         ">= 2 (step 1 compiles). Wall time: the run's processes, all attempts (compile, "
         "evaluations and checkpoints included; the shared SFT warm start not).",
         "",

@@ -61,7 +61,8 @@ def test_plan_variants_and_overrides():
         quick, set, steps = True, ["rl.learning_rate=1e-4"], 5
     common = ex.common_overrides(A)
     assert common["rl.num_steps"] == 5 and common["rl.learning_rate"] == "1e-4"
-    assert common["task.num_terms"] == ex.QUICK["task.num_terms"]
+    assert common["sparse.budget"] == ex.QUICK["sparse.budget"]
+    assert common["eval.every"] == ex.QUICK["eval.every"]
     A.set = ["rl.rollout_mode=dense"]  # defines the variants: refused
     with pytest.raises(SystemExit):
         ex.common_overrides(A)
