@@ -29,7 +29,7 @@ number of KV entries read per global layer).
 Part 3 (--twin_lens), the teacher-forced twin: Transformer.forward (jitted, no gradient)
 over --twin_batch rows of T tokens (prompt_len prompt tokens, the rest completion), dense
 vs each sparse configuration given the page record of every completion position. The
-record is the streaming policy's (selection._streaming_pages at every position, the
+record is the streaming policy's (selection.select_pages at every position, the
 budget's slots all filled): which pages are recorded does not change the cost. Reports the
 median wall time of --twin_reps calls and XLA's compiled memory analysis (temporary
 buffers = the peak working set besides inputs and outputs).
@@ -302,8 +302,9 @@ def twin_pages(spec, model, batch: int, seq_len: int, prompt_len: int):
 
   sp = dataclasses.replace(spec.sparse, policy="streaming")
   pos = jnp.arange(seq_len)
-  ids_TxKxP = selection._streaming_pages(sp, pos, spec.page_size, model.cfg.num_kv_heads,
-                                         -(-seq_len // spec.page_size))
+  q_TxKxGxH = jnp.zeros((seq_len, model.cfg.num_kv_heads, 1, 1))  # streaming reads no scores
+  ids_TxKxP = selection.select_pages(sp, {}, q_TxKxGxH, pos, spec.page_size,
+                                     -(-seq_len // spec.page_size))
   ids = jnp.broadcast_to(ids_TxKxP[None], (batch, *ids_TxKxP.shape))
   sparse_query = jnp.broadcast_to((pos >= prompt_len) & (pos < seq_len - 1), (batch, seq_len))
   return {i: (ids, sparse_query) for i, blk in enumerate(model.layers)

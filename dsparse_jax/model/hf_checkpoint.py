@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 from dsparse_jax.model.config import ModelConfig
-from dsparse_jax.model.transformer import Transformer
+from dsparse_jax.model.transformer import Transformer, lora_weight
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -371,9 +371,7 @@ def merge_lora(tree: dict, lora: Mapping | None, lora_scale: float) -> dict:
     layer = out["layers"][int(i)]
     for name, ab in maps.items():
       group = "attn" if name in ("q", "k", "v", "o") else "mlp"
-      w = np.asarray(layer[group][name], np.float32)
-      a, b = np.asarray(ab["a"], np.float32), np.asarray(ab["b"], np.float32)
-      layer[group][name] = w + np.tensordot(a, b, axes=1) * lora_scale
+      layer[group][name] = np.asarray(lora_weight(layer[group][name], ab, lora_scale))
   return out
 
 
