@@ -8,6 +8,7 @@ run at a chosen point or inject a NaN.
 """
 
 import glob
+import json
 import math
 import os
 import shutil
@@ -70,10 +71,10 @@ def _steps(workdir, name="checkpoints"):
     return sorted(int(s) for s in os.listdir(d) if s.isdigit())
 
 
-def _raw(workdir, step):
+def _raw(workdir, step, name="checkpoints"):
     """A checkpoint's leaves by path, read with plain orbax (no template)."""
     tree = ocp.StandardCheckpointer().restore(
-        os.path.join(os.path.abspath(workdir), "checkpoints", str(step), "default"))
+        os.path.join(os.path.abspath(workdir), name, str(step), "default"))
     return {jax.tree_util.keystr(p): np.asarray(x)
             for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
@@ -165,6 +166,43 @@ def test_nan_step_is_skipped_and_repeated_nans_halt(reference, tmp_path):
             if k.startswith(("['params']", "['opt_state']", "['lora")):
                 np.testing.assert_array_equal(a[k], b[k], err_msg=k)
         assert all(np.isfinite(v).all() for v in b.values() if v.dtype.kind == "f")
+
+
+@pytest.mark.slow
+def test_sft_resumes_exactly_after_kills(reference, tmp_path):
+    """Killed after SFT step 50 (last checkpoint at 40), then after SFT stopped and saved
+    but before DONE.json: the warm start resumes and ends bitwise where an uninterrupted
+    SFT ends (checkpoint leaves, DONE.json, every SFT metric), and RL continues alike."""
+    _, cache = reference
+    args = ("--config.sft.eval_every=20", "--config.rl.num_steps=1")
+    ref = str(tmp_path / "ref")
+    res = _train(ref, cache, *args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    with open(os.path.join(ref, "sft", "DONE.json")) as f:
+        done = json.load(f)
+    final = done["step"]
+    assert final > 50  # the first kill lands mid-training
+
+    wd = str(tmp_path / "killed")
+    for point in ("sft_step@50", f"sft_done@{final}"):
+        res = _train(wd, cache, *args, fault=point)
+        assert res.returncode == -signal.SIGKILL, (point, res.returncode, res.stderr[-3000:])
+        assert f"SIGKILL at {point}" in res.stdout
+        assert not os.path.exists(os.path.join(wd, "sft", "DONE.json"))
+    res = _train(wd, cache, *args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"[sft] resuming from step {final}" in res.stdout  # re-evaluates, trains no more
+    with open(os.path.join(wd, "sft", "DONE.json")) as f:
+        assert json.load(f) == done
+    sft_metrics = lambda w: [{k: v for k, v in r.items() if not k.startswith(TIMING)}
+                             for r in read_metrics(w, "sft")]
+    assert sft_metrics(wd) == sft_metrics(ref)
+    assert [r["step"] for r in read_metrics(wd, "sft")] == list(range(1, final + 1))
+    got, want = _raw(wd, final, "sft"), _raw(ref, final, "sft")
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    assert _metrics(wd) == _metrics(ref)
 
 
 # ---------------------------------------------------------------------- checkpoint units

@@ -3,7 +3,9 @@
 DSPARSE_FAULTS="point@step[:action],..." with action kill (default: SIGKILL this process
 at that point of that RL step) or nan (the step's loss inputs become NaN). Points:
 rl_rollout (after the rollout), rl_update (after theta's update, before phi's),
-rl_checkpoint (while the step's checkpoint is being written), rl_nan (advantages).
+rl_checkpoint (while the step's checkpoint is being written), rl_nan (advantages);
+sft_step (after SFT step s and its metrics / checkpoint), sft_done (SFT stopped and saved
+at step s, DONE.json not yet written).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from jax.experimental import multihost_utils
 
 from dsparse_jax.data import batches
 from dsparse_jax.data.sources import problems
-from dsparse_jax.train import checkpoints, steps
+from dsparse_jax.train import checkpoints, faults, steps
 from dsparse_jax.train.context import RunContext
 from dsparse_jax.train.metrics import MetricsWriter, Progress
 
@@ -95,6 +95,7 @@ def warm_start(ctx: RunContext, workdir: str, writer: MetricsWriter):
                 ckpt.close()
                 raise SystemExit(f"[sft] halted at step {step}: {e}") from None
         writer.write("sft", step, m)
+        faults.maybe_kill("sft_step", step)
         progress.update(step, m, ("loss", "eval_greedy_accuracy"))
         if accuracy is not None and accuracy >= c.target_accuracy:
             break
@@ -109,6 +110,7 @@ def warm_start(ctx: RunContext, workdir: str, writer: MetricsWriter):
     if accuracy > c.max_accuracy:
         print(f"[sft] WARNING: accuracy {accuracy:.3f} > sft.max_accuracy={c.max_accuracy}: "
               "little room left for RL", flush=True)
+    faults.maybe_kill("sft_done", step)  # stopped and saved, DONE.json not yet written
     if jax.process_index() == 0:  # one writer; the other hosts wait for it below
         tmp = done_path + ".tmp"
         with open(tmp, "w") as f:  # atomic: a kill leaves the old state or the new file
