@@ -37,6 +37,11 @@ def lora_weight(w, lora_ab, lora_scale: float):
   return w.astype(jnp.float32) + delta * lora_scale
 
 
+def merges_lora(compute_dtype) -> bool:
+  """Whether a LoRA delta is merged into its weight: in f32 compute only."""
+  return jnp.dtype(compute_dtype) == jnp.float32
+
+
 def linear(x, w, n_in: int, lora_ab=None, lora_scale: float = 1.0):
   """x contracted over its last n_in dims with w's first n_in dims, plus a LoRA delta.
 
@@ -45,10 +50,11 @@ def linear(x, w, n_in: int, lora_ab=None, lora_scale: float = 1.0):
   below peak on CPU; same result up to float rounding. In lower precision a merged weight
   would round small deltas away, so the delta is applied as (x.A).B * s.
   """
-  if lora_ab is not None and x.dtype == jnp.float32:
+  if lora_ab is not None and merges_lora(x.dtype):
     w = lora_weight(w, lora_ab, lora_scale)
+    lora_ab = None
   y = jnp.tensordot(x, w.astype(x.dtype), axes=n_in)
-  if lora_ab is not None and x.dtype != jnp.float32:
+  if lora_ab is not None:
     xa = jnp.tensordot(x, lora_ab["a"].astype(x.dtype), axes=n_in)
     y = y + jnp.tensordot(xa, lora_ab["b"].astype(x.dtype), axes=1) * lora_scale
   return y
@@ -189,7 +195,7 @@ class Transformer(nnx.Module):
     compute dtype is f32 (where `linear` merges anyway): a decode loop then pays nothing
     per step for the adapter. Use on a transient model (e.g. inside a jitted sampler).
     Returns whether it merged; if not, pass `lora` to the calls as usual."""
-    if not lora or _dtype(self.cfg.dtype) != jnp.float32:
+    if not lora or not merges_lora(self.cfg.dtype):
       return False
     for i, maps in lora.items():
       block = self.layers[int(i)]

@@ -134,11 +134,11 @@ def recompute(params, lora, tokens_BxS, prompt_lengths_B, mask_BxS, pages, rollo
     The forwards run over `chunks` equal groups of rows in sequence (lax.map), so peak
     memory is that of B / chunks rows; the metrics are computed over the whole batch.
     """
-    stats_fn = functools.partial(_token_stats, params, lora, graphdef=graphdef,
-                                 temperature=temperature, dense_spec=dense_spec,
-                                 twin_spec=twin_spec, lora_scale=lora_scale)
-    stats = map_row_chunks(lambda r: stats_fn(r["tokens"], r["pages"]),
-                           {"tokens": tokens_BxS, "pages": pages}, chunks)
+    stats = map_row_chunks(
+        lambda r: _token_stats(params, lora, r["tokens"], r["pages"], graphdef=graphdef,
+                               temperature=temperature, dense_spec=dense_spec,
+                               twin_spec=twin_spec, lora_scale=lora_scale),
+        {"tokens": tokens_BxS, "pages": pages}, chunks)
     out = {"dense_logp": stats["dense_logp"], "dense_entropy": stats["dense_entropy"]}
     dense_logp, m = stats["dense_logp"], mask_BxS
     if twin_spec is None:
