@@ -54,9 +54,13 @@ def sparse_decode_attention(q_BxNxH, k_BxKxSxH, v_BxKxSxH, pos_B, page_ids_BxKxP
       dimension=2, num_keys=1)
   k_BxKxTxH = _gather_rows(k_BxKxSxH, rows_BxKxP, page_size)
   v_BxKxTxH = _gather_rows(v_BxKxSxH, rows_BxKxP, page_size)
-  logits = jnp.einsum("bkgh,bkth->bkgt", q_BxKxGxH, k_BxKxTxH,
+  # Key-major product ([T, H] . [H, G] per row, the gathered keys as the left operand, as
+  # in dense.decode_attention), then a transpose of the small [T, G] result: on XLA:CPU
+  # about 2x faster than contracting into [G, T] directly (0.22 vs 0.42-0.63 ms per layer
+  # at B = 32, 512 keys).
+  logits = jnp.einsum("bkth,bkgh->bktg", k_BxKxTxH, q_BxKxGxH,
                       preferred_element_type=jnp.float32)
-  logits = softcap(logits, layer.softcap)
+  logits = jnp.swapaxes(softcap(logits, layer.softcap), 2, 3)
   key_pos = (ids_BxKxP[..., None] * page_size + jnp.arange(page_size)).reshape(
       b, kv, p * page_size)
   ok = (jnp.repeat(ids_BxKxP != NO_PAGE, page_size, axis=-1)
