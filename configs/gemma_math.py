@@ -82,6 +82,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.prompts_per_step = 8
     c.rl.samples_per_prompt = 8  # n (group size for advantages)
     c.rl.temperature = 1.0
+    # Rollout cache: 0 = one buffer of prompt + completion budget; N > 0 = start at prompt
+    # + N tokens and double (a decode step then costs O(position); one compile per buffer,
+    # peak 1.5x the cache at the last growth; sampling/sampler.py buffer_schedule).
+    c.rl.grow_buffer_from = 0
     c.rl.learning_rate = 1e-4  # 3e-4 collapsed distillsparse after ~10 steps (README Status)
     c.rl.warmup_steps = 5
     c.rl.schedule = "constant"

@@ -360,6 +360,7 @@ def test_truncated_rollout_samples_from_allowed_set():
     (dict(top_p=1.5), "top_p"),
     (dict(samples_per_prompt=0), "samples_per_prompt"),
     (dict(top_logprobs=-1), "top_logprobs"),
+    (dict(grow_buffer_from=-1), "grow_buffer_from"),
 ])
 def test_bad_sampling_config_raises(kw, match):
   args = dict(max_new_tokens=4, eos_id=EOS, pad_id=PAD) | kw
@@ -376,6 +377,12 @@ def test_batch_mismatch_raises():
 def test_buffer_length_and_completion_view():
   assert S.buffer_length(7, 12, 16) == 32 and S.buffer_length(4, 12, 16) == 16
   assert S.buffer_length(5, 12, 4) == 20
+  # Growing buffers: prompt + N, 2N, 4N, ... (rounded to pages, deduplicated), then full.
+  assert S.buffer_schedule(64, 4096, 16) == [4160]
+  assert S.buffer_schedule(64, 4096, 16, 1024) == [1088, 2112, 4160]
+  assert S.buffer_schedule(64, 1024, 16, 1024) == [1088]  # nothing to grow into
+  assert S.buffer_schedule(7, 12, 16, 4) == [16, 32]  # 11 and 15 share a page-rounded size
+  assert S.buffer_schedule(17, 28, 4, 4) == [24, 28, 36, 48]
   r, _ = rollout(GREEDY)
   view = S.completion_view(r, PAD)
   for b in range(6):

@@ -12,6 +12,7 @@ what the method says, and sparse is really sparse.
 Tiny shapes (page_size 4 or 8) keep it fast; every rollout asks for top_logprobs=vocab,
 i.e. the whole log-softmax of each decode step.
 """
+import dataclasses
 import functools
 
 import jax
@@ -24,7 +25,7 @@ from dsparse_jax.attention import api, cache as kv_cache, dense, selection
 from dsparse_jax.attention.selection import NO_PAGE
 from dsparse_jax.attention.spec import AttentionSpec, LayerInfo, SparseSpec
 from dsparse_jax.model import config as C
-from dsparse_jax.sampling.sampler import Sampler, SamplingConfig
+from dsparse_jax.sampling.sampler import Sampler, SamplingConfig, buffer_schedule
 
 LP_TOL = 1e-4
 VOCAB, EOS, PAD = 32, 1, 0
@@ -72,11 +73,21 @@ def sparse_rollout(kv_heads, spec, seed=0):
   all_dense = {i: (ids, jnp.zeros_like(sq)) for i, (ids, sq) in r.pages().items()}
   tf_dense = jax.nn.log_softmax(forward(state, r.tokens, spec, all_dense) / t, -1)
   r = jax.device_get(r)
+  return r, step_distributions(r), shift(tf_sparse), shift(tf_dense)
+
+
+def step_distributions(r):
+  """[B, S, V] log-softmax of each decode step at its sampled token's position, from a
+  rollout run with top_logprobs=vocab (the whole distribution)."""
   vals, ids = r.top_logprobs
   full = np.full(vals.shape[:2] + (VOCAB,), np.nan)
-  np.put_along_axis(full, ids, vals, -1)  # top_logprobs=vocab: the whole distribution
-  shift = lambda x: np.pad(np.asarray(x)[:, :-1], ((0, 0), (1, 0), (0, 0)))
-  return r, full, shift(tf_sparse), shift(tf_dense)
+  np.put_along_axis(full, np.asarray(ids), np.asarray(vals), -1)
+  return full
+
+
+def shift(logp_BxSxV):
+  """Teacher-forced log-probs at s - 1 predict token s: align them with the tokens."""
+  return np.pad(np.asarray(logp_BxSxV)[:, :-1], ((0, 0), (1, 0), (0, 0)))
 
 
 def completion_mask(r):
@@ -159,6 +170,33 @@ def test_page_record_structure(case):
   assert skipped > 0
   if kv > 1 and sp.policy != "streaming":
     assert heads_differ > 0  # selection is per KV head
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["dense", "distillsparse_kv1", "quest_schedule_kv2"])
+def test_growing_cache_buffer_changes_nothing(case):
+  """A rollout whose decode cache grows through 4 buffers (sampler.buffer_schedule) is the
+  fixed-buffer rollout: same tokens and page records, step distributions within 1e-5, and
+  still equal to the teacher-forced (sparse) forward within LP_TOL."""
+  kv, spec = (1, AttentionSpec(page_size=4)) if case == "dense" else SPARSE_CASES[case][:2]
+  _, state, sampler, forward = model(kv)
+  grown = dataclasses.replace(SAMPLING, grow_buffer_from=4)
+  assert len(buffer_schedule(PROMPTS.shape[1], MAX_NEW, spec.page_size, 4)) == 4
+  key = jax.random.key(3)
+  fixed = jax.device_get(sampler(state, jnp.asarray(PROMPTS), LENGTHS, key, SAMPLING, spec))
+  r = jax.device_get(sampler(state, jnp.asarray(PROMPTS), LENGTHS, key, grown, spec))
+  m = completion_mask(r)
+  assert r.completion_lengths.max() > 19  # the last rows' steps ran in the last buffers
+  np.testing.assert_array_equal(r.tokens, fixed.tokens)
+  np.testing.assert_array_equal(r.completion_lengths, fixed.completion_lengths)
+  assert set(r.page_ids) == set(fixed.page_ids)
+  for layer in r.page_ids:
+    np.testing.assert_array_equal(r.page_ids[layer], fixed.page_ids[layer])
+  got = step_distributions(r)
+  np.testing.assert_allclose(got[m], step_distributions(fixed)[m], atol=1e-5, rtol=0)
+  tf = shift(jax.nn.log_softmax(forward(state, r.tokens, spec, r.pages())
+                                / SAMPLING.temperature, -1))
+  np.testing.assert_allclose(got[m], tf[m], atol=LP_TOL, rtol=0)
 
 
 @pytest.mark.slow
@@ -385,3 +423,21 @@ def test_attention_spec_and_cache_validation():
   with pytest.raises(ValueError, match="multiple of the page size"):
     kv_cache.init_layer_cache(1, 1, 30, 8, jnp.float32, SEL_LAYER, AttentionSpec(page_size=4))
   SparseSpec(budget=3)  # == sink + recent: allowed
+
+
+def test_grow_layer_cache_keeps_contents_and_zero_pads():
+  spec = AttentionSpec(page_size=4, sparse=SparseSpec("quest", budget=3))
+  rng = np.random.default_rng(0)
+  c = {name: jnp.asarray(rng.normal(size=x.shape), jnp.float32) for name, x in
+       kv_cache.init_layer_cache(2, 1, 8, 3, jnp.float32, SEL_LAYER, spec).items()}
+  assert set(c) == {"k", "v", "kmin", "kmax"}
+  g = kv_cache.grow_layer_cache(c, 20, 4)
+  for name, x in c.items():
+    n = 20 if name in ("k", "v") else 5
+    assert g[name].shape == x.shape[:2] + (n,) + x.shape[3:]
+    np.testing.assert_array_equal(g[name][:, :, :x.shape[2]], x)
+    assert np.all(np.asarray(g[name][:, :, x.shape[2]:]) == 0)
+  with pytest.raises(ValueError, match="multiple of the page size"):
+    kv_cache.grow_layer_cache(c, 22, 4)
+  with pytest.raises(ValueError, match="shrink"):
+    kv_cache.grow_layer_cache(c, 4, 4)

@@ -56,3 +56,19 @@ def write_decode(cache: dict, k_BxKxH, v_BxKxH, pos_B, layer: LayerInfo,
     new.update(selection.summarize_decode(spec.sparse.policy, cache, k_BxKxH, pos_B,
                                           spec.page_size))
   return new
+
+
+def grow_layer_cache(cache: dict, max_len: int, page_size: int) -> dict:
+  """The same cache in a longer buffer of max_len positions: keys and values padded along
+  the position axis, page summaries along the page axis, with the zeros init_layer_cache
+  starts from (positions past a sequence's end are never read)."""
+  if max_len % page_size:
+    raise ValueError(f"cache length {max_len} must be a multiple of the page size "
+                     f"{page_size}")
+  new = {}
+  for name, x in cache.items():
+    target = max_len if name in ("k", "v") else max_len // page_size
+    if target < x.shape[2]:
+      raise ValueError(f"cannot shrink cache entry {name!r} from {x.shape[2]} to {target}")
+    new[name] = jnp.pad(x, ((0, 0), (0, 0), (0, target - x.shape[2]), (0, 0)))
+  return new

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsparse_jax.attention import cache as kv_cache
 from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.train import sharding
 
@@ -41,6 +42,9 @@ class SamplingConfig:
   top_p: float = 1.0  # 1.0: off
   samples_per_prompt: int = 1
   top_logprobs: int = 0  # also return the k largest log-probs per step (0: off)
+  # 0: decode over one cache buffer of prompt + max_new_tokens. N > 0: the buffer starts at
+  # prompt + N tokens and doubles until it holds max_new_tokens (see buffer_schedule).
+  grow_buffer_from: int = 0
 
   def __post_init__(self):
     if self.max_new_tokens < 1:
@@ -55,6 +59,8 @@ class SamplingConfig:
       raise ValueError("SamplingConfig.samples_per_prompt must be >= 1")
     if self.top_logprobs < 0:
       raise ValueError("SamplingConfig.top_logprobs must be >= 0")
+    if self.grow_buffer_from < 0:
+      raise ValueError("SamplingConfig.grow_buffer_from must be >= 0 (0: one fixed buffer)")
 
 
 class Rollout(NamedTuple):
@@ -117,6 +123,28 @@ def buffer_length(prompt_len: int, max_new_tokens: int, page_size: int) -> int:
   return -(-total // page_size) * page_size
 
 
+def buffer_schedule(prompt_len: int, max_new_tokens: int, page_size: int,
+                    grow_from: int = 0) -> list[int]:
+  """The KV-cache lengths the decode loop runs through, shortest first.
+
+  A decode step's dense layers (and the page scoring of sparse ones) read the whole cache
+  buffer, masked, whatever the position. grow_from = 0: one buffer of prompt +
+  max_new_tokens (one decode compile, no copy). grow_from = N > 0: buffers of prompt + N,
+  prompt + 2N, ... tokens, then the full one; the loop moves to the next buffer (a copy of
+  the cache) when the next step could write past the current one, so a step costs
+  O(position) up to a factor 2. Costs one decode compile per buffer and, at each growth,
+  the old and the new cache at once (peak 1.5x the final cache at the last growth).
+  """
+  full = buffer_length(prompt_len, max_new_tokens, page_size)
+  sizes, n = [], grow_from
+  while 0 < n < max_new_tokens:
+    size = buffer_length(prompt_len, n, page_size)
+    if size < full and size not in sizes:
+      sizes.append(size)
+    n *= 2
+  return sizes + [full]
+
+
 class Sampler:
   """Samples completions from a Transformer. Build once per model graph; call with any
   weights of that graph."""
@@ -140,11 +168,12 @@ class Sampler:
       lora = None
     n = cfg.samples_per_prompt
     b0, l = prompts_BxL.shape
-    s = buffer_length(l, cfg.max_new_tokens, spec.page_size)
+    sizes = buffer_schedule(l, cfg.max_new_tokens, spec.page_size, cfg.grow_buffer_from)
+    s = sizes[-1]  # the token and record buffers are full size from the start
     run = dict(spec=spec, lora=lora, lora_scale=lora_scale)
 
     # On a mesh: caches batch over data x fsdp, KV heads over tensor (train/sharding.py).
-    caches = sharding.constrain_cache(model.init_cache(b0, s, spec))
+    caches = sharding.constrain_cache(model.init_cache(b0, sizes[0], spec))
     logits, caches = model.prefill(prompts_BxL, prompt_len_B, caches, **run)
     if n > 1:  # one prefill serves the n samples of each prompt
       rep = lambda x: jnp.repeat(x, n, axis=0)
@@ -187,9 +216,9 @@ class Sampler:
     ncomp = jnp.zeros((b,), jnp.int32)
     out = emit((tokens, logprobs, done, ncomp, top), logits, sub, prompt_len_B)
 
-    def cond(state):
+    def cond(state, last_step):
       step, _, _, (_, _, done, _, _), _ = state
-      return (step < cfg.max_new_tokens) & ~jnp.all(done)
+      return (step < cfg.max_new_tokens) & (step <= last_step) & ~jnp.all(done)
 
     def body(state):
       step, key, caches, out, page_ids = state
@@ -201,7 +230,15 @@ class Sampler:
       return step + 1, key, caches, out, page_ids
 
     state = (jnp.int32(1), key, caches, out, page_ids)
-    _, _, _, out, page_ids = jax.lax.while_loop(cond, body, state)
+    for i, size in enumerate(sizes):
+      if i:  # move the cache into the next buffer (all rows' positions fit the last one)
+        step, key, caches, out, page_ids = state
+        caches = sharding.constrain_cache(
+            [kv_cache.grow_layer_cache(c, size, spec.page_size) for c in caches])
+        state = (step, key, caches, out, page_ids)
+      # Step `step` writes the cache at position <= l + step - 1, which must be < size.
+      state = jax.lax.while_loop(lambda st, last=size - l: cond(st, last), body, state)
+    _, _, _, out, page_ids = state
     tokens, logprobs, _, ncomp, top = out
     pos = jnp.arange(s)[None]
     mask = (pos >= prompt_len_B[:, None]) & (pos < (prompt_len_B + ncomp)[:, None])

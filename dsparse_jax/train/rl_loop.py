@@ -263,7 +263,8 @@ def _rl_step(ctx, setup, st, rng, step, ref_params):
         prompts, lengths = plan.global_batch(prompts), plan.global_batch(lengths)
     scfg = SamplingConfig(max_new_tokens=batches.completion_budget(ctx.task),
                           eos_id=ctx.tok.eos_id, pad_id=ctx.tok.pad_id,
-                          temperature=c.temperature, samples_per_prompt=big_m)
+                          temperature=c.temperature, samples_per_prompt=big_m,
+                          grow_buffer_from=c.grow_buffer_from)
     params = st.params
     times, m = {}, {}
     rec_kw = dict(graphdef=ctx.graphdef, temperature=c.temperature, dense_spec=ctx.spec,

@@ -108,7 +108,7 @@ def validate(c, reference=None) -> None:
     for f in ("sft.learning_rate", "rl.learning_rate", "rl.max_grad_norm", "sft.max_grad_norm"):
         _lr(c, f)
     for f in ("sft.warmup_steps", "rl.warmup_steps", "sft.max_consecutive_skips",
-              "rl.max_consecutive_skips"):
+              "rl.max_consecutive_skips", "rl.grow_buffer_from"):
         _nonneg(c, f, integer=True)
     for f in ("sft.weight_decay", "rl.weight_decay", "lora.weight_decay"):
         _nonneg(c, f)
