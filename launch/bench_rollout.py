@@ -15,7 +15,9 @@ N tokens; tokens/s = B * N / wall time of Sampler.__call__ (prefill + N - 1 deco
 block_until_ready). The compile is excluded and reported separately: compile_s is an
 ahead-of-time lower + compile of the sampler's jitted function (which the later calls
 reuse); --warmup=run (default) also makes one untimed full call before the timed ones,
---warmup=aot skips it (for long generations).
+--warmup=aot skips it (for long generations). --grow_from=0,1024 also runs every config
+with a decode cache that grows from prompt + 1024 tokens (sampler.buffer_schedule);
+those rows report over_fixed_buffer, their speed relative to the fixed buffer.
 
 Part 2, one decode step (Transformer.decode, jitted, cache donated so it is updated in
 place as inside the sampler's while_loop) with a cache holding L tokens (random keys and
@@ -77,6 +79,10 @@ def parse_args(argv=None):
   p.add_argument("--dense_layers", default="0,2")
   p.add_argument("--budget", type=int, default=32, help="pages read per step")
   p.add_argument("--page_size", type=int, default=16)
+  p.add_argument("--grow_from", default="0",
+                 help="comma list of SamplingConfig.grow_buffer_from values for the sampler "
+                      "throughput (0: one fixed cache buffer; N: prompt + N tokens, "
+                      "doubling); each config runs with each")
   p.add_argument("--reps", type=int, default=1, help="timed sampler runs per config")
   p.add_argument("--warmup", choices=("run", "aot"), default="run")
   p.add_argument("--step_contexts", default="1024,4096,16384")
@@ -138,7 +144,7 @@ def bench_throughput(model, args, configs, gen_lens, checkpoint=lambda rows: Non
   import jax
   import jax.numpy as jnp
   from flax import nnx
-  from dsparse_jax.sampling.sampler import Sampler, SamplingConfig
+  from dsparse_jax.sampling.sampler import Sampler, SamplingConfig, buffer_schedule
 
   graphdef, state = nnx.split(model)
   sampler = Sampler(graphdef)
@@ -150,15 +156,20 @@ def bench_throughput(model, args, configs, gen_lens, checkpoint=lambda rows: Non
   prompts = jnp.asarray(prompts)
   lengths = jnp.asarray(lengths)
   key = jax.random.PRNGKey(args.seed)
-  rows = []
-  for n in gen_lens:
+  rows, fixed_tps = [], {}
+  grows = [int(x) for x in args.grow_from.split(",") if x]
+  for n, grow in ((n, g) for n in gen_lens for g in grows):
     # eos_id=-1 is never sampled (tokens are in [0, vocab)): every row runs n tokens.
-    cfg = SamplingConfig(max_new_tokens=n, eos_id=-1, pad_id=0, temperature=1.0)
+    cfg = SamplingConfig(max_new_tokens=n, eos_id=-1, pad_id=0, temperature=1.0,
+                         grow_buffer_from=grow)
     dense_tps = None
     for name in configs:
       spec = spec_for(name, args.budget, args.page_size)
-      log(f"[throughput] gen={n} {name}: compiling ...")
-      row = {"gen_len": n, "config": name, "batch": b, "prompt_len_max": l}
+      tag = name + (f" grow {grow}" if grow else "")
+      log(f"[throughput] gen={n} {tag}: compiling ...")
+      row = {"gen_len": n, "config": name, "batch": b, "prompt_len_max": l,
+             "grow_buffer_from": grow,
+             "cache_buffers": buffer_schedule(l, n, args.page_size, grow)}
       # Ahead-of-time lower + compile of the sampler's jitted function: the later calls
       # reuse this executable (jax caches lowering and compilation), so this is the
       # compile time, measured directly.
@@ -177,7 +188,7 @@ def bench_throughput(model, args, configs, gen_lens, checkpoint=lambda rows: Non
         out = sampler(state, prompts, lengths, jax.random.fold_in(key, r + 1), cfg, spec)
         jax.block_until_ready(out)
         runs.append(time.perf_counter() - t0)
-        log(f"[throughput] gen={n} {name}: run {r} {runs[-1]:.2f} s "
+        log(f"[throughput] gen={n} {tag}: run {r} {runs[-1]:.2f} s "
             f"({b * n / runs[-1]:.0f} tok/s)")
       ncomp = np.asarray(out.completion_lengths)
       row["completion_len_min"], row["completion_len_max"] = int(ncomp.min()), int(ncomp.max())
@@ -192,9 +203,13 @@ def bench_throughput(model, args, configs, gen_lens, checkpoint=lambda rows: Non
         dense_tps = row["tokens_per_s"]
       elif dense_tps:
         row["sparse_over_dense"] = row["tokens_per_s"] / dense_tps
+      if grow == 0:
+        fixed_tps[(n, name)] = row["tokens_per_s"]
+      elif (n, name) in fixed_tps:
+        row["over_fixed_buffer"] = row["tokens_per_s"] / fixed_tps[(n, name)]
       rows.append(row)
       checkpoint(rows)
-      log(f"[throughput] gen={n} {name}: {row['tokens_per_s']:.0f} tok/s, "
+      log(f"[throughput] gen={n} {tag}: {row['tokens_per_s']:.0f} tok/s, "
           f"compile {row['compile_s']:.1f} s"
           + (f", x{row['sparse_over_dense']:.2f} vs dense" if "sparse_over_dense" in row
              else ""))
@@ -413,7 +428,8 @@ def summarize(args, throughput, steps):
   t["dense_rollout_B32"] = [
       {"gen_len": r["gen_len"], "tokens_per_s": r["tokens_per_s"],
        "ms_per_step": r["ms_per_step"], "run_s": r["run_s_median"]}
-      for r in throughput if r["config"] == "dense" and r["batch"] == 32] or "not measured"
+      for r in throughput if r["config"] == "dense" and r["batch"] == 32
+      and r["grow_buffer_from"] == 0] or "not measured"
   return out
 
 
