@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 from dsparse_jax.model.config import ModelConfig
-from dsparse_jax.model.transformer import Transformer, lora_weight
+from dsparse_jax.model.transformer import ATTN_NAMES, Transformer, lora_weight
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -370,7 +370,7 @@ def merge_lora(tree: dict, lora: Mapping | None, lora_scale: float) -> dict:
   for i, maps in lora.items():
     layer = out["layers"][int(i)]
     for name, ab in maps.items():
-      group = "attn" if name in ("q", "k", "v", "o") else "mlp"
+      group = "attn" if name in ATTN_NAMES else "mlp"
       layer[group][name] = np.asarray(lora_weight(layer[group][name], ab, lora_scale))
   return out
 

@@ -27,10 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsparse_jax.model.config import ModelConfig
-from dsparse_jax.model.transformer import LINEAR_NAMES
-
-ATTN_NAMES = ("q", "k", "v", "o")
-MLP_NAMES = ("gate", "up", "down")
+from dsparse_jax.model.transformer import ATTN_NAMES, LINEAR_NAMES, MLP_NAMES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,9 @@ from dsparse_jax.attention.dense import softcap
 from dsparse_jax.attention.spec import AttentionSpec, LayerInfo
 from dsparse_jax.model.config import ModelConfig
 
-LINEAR_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
+ATTN_NAMES = ("q", "k", "v", "o")  # Attention's linear maps
+MLP_NAMES = ("gate", "up", "down")  # MLP's
+LINEAR_NAMES = ATTN_NAMES + MLP_NAMES
 
 
 def _dtype(name: str):
@@ -200,7 +202,7 @@ class Transformer(nnx.Module):
     for i, maps in lora.items():
       block = self.layers[int(i)]
       for name, ab in maps.items():
-        param = getattr(block.attn if hasattr(block.attn, name) else block.mlp, name)
+        param = getattr(block.attn if name in ATTN_NAMES else block.mlp, name)
         param.set_value(lora_weight(param[...], ab, lora_scale))
     return True
 
