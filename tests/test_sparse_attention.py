@@ -8,7 +8,9 @@ what the method says, and sparse is really sparse.
 (b) a budget that covers every page equals dense attention;
 (c) select_pages on hand-built caches equals a numpy implementation of the method;
 (d) small budgets differ from dense (no silent fallback), local and dense_layers layers
-    stay dense, SparseSpec validation.
+    stay dense, SparseSpec validation;
+(e) a decode cache that grows through several buffers (SamplingConfig.grow_buffer_from)
+    gives the fixed-buffer rollout, dense and sparse.
 Tiny shapes (page_size 4 or 8) keep it fast; every rollout asks for top_logprobs=vocab,
 i.e. the whole log-softmax of each decode step.
 """
