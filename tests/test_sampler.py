@@ -20,6 +20,7 @@ from dsparse_jax.model import config as C
 from dsparse_jax.model.transformer import Transformer
 from dsparse_jax.sampling import sampler as S
 from dsparse_jax.sampling.sampler import Sampler, SamplingConfig
+from model_utils import random_params
 
 LP_TOL = 1e-4
 VOCAB, EOS, PAD = 32, 1, 0
@@ -35,7 +36,6 @@ TEMP = SamplingConfig(MAX_NEW, EOS, PAD, temperature=0.7, samples_per_prompt=3,
 TRUNC = SamplingConfig(MAX_NEW, EOS, PAD, temperature=1.3, top_k=6, top_p=0.7)
 
 
-from model_utils import random_params
 
 
 class CountingTransformer(Transformer):

@@ -28,6 +28,7 @@ from dsparse_jax.attention.selection import NO_PAGE
 from dsparse_jax.attention.spec import AttentionSpec, LayerInfo, SparseSpec
 from dsparse_jax.model import config as C
 from dsparse_jax.sampling.sampler import Sampler, SamplingConfig, buffer_schedule
+from model_utils import random_params
 
 LP_TOL = 1e-4
 VOCAB, EOS, PAD = 32, 1, 0
@@ -46,7 +47,6 @@ def model_cfg(kv_heads):
       num_kv_heads=kv_heads, sliding_window=8)
 
 
-from model_utils import random_params
 
 
 @functools.lru_cache(maxsize=None)
