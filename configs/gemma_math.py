@@ -38,8 +38,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.question_field = ""  # "" -> question | problem | prompt | query
     c.data.answer_field = ""  # "" -> answer | final_answer | ground_truth | solution
     c.data.solution_field = ""
-    c.data.instruction = ("Solve the following math problem step by step. "
-                          "Put your final answer within \\boxed{}.")
+    c.data.instruction = (
+        "Solve the following math problem step by step. Put your final answer within \\boxed{}."
+    )
     c.data.max_prompt_tokens = 512  # static prompt width (BOS included), real data
     c.data.max_new_tokens = 1024  # generation length, real data
     c.data.overlong = "drop"  # prompts over max_prompt_tokens: drop | truncate

@@ -40,202 +40,246 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 # HBM peak bandwidth in GB/s by jax device_kind substring (vendor figures).
 HBM_PEAK_GBS = {
-    "H200": 4800.0, "H100 SXM": 3350.0, "H100 PCIe": 2000.0, "H100": 3350.0,
-    "A100-SXM4-80GB": 2039.0, "A100": 1555.0, "L4": 300.0,
-    "TPU v6": 1640.0, "TPU v5p": 2765.0, "TPU v5 lite": 819.0, "TPU v5e": 819.0,
-    "TPU v5": 2765.0, "TPU v4": 1228.0,
+    "H200": 4800.0,
+    "H100 SXM": 3350.0,
+    "H100 PCIe": 2000.0,
+    "H100": 3350.0,
+    "A100-SXM4-80GB": 2039.0,
+    "A100": 1555.0,
+    "L4": 300.0,
+    "TPU v6": 1640.0,
+    "TPU v5p": 2765.0,
+    "TPU v5 lite": 819.0,
+    "TPU v5e": 819.0,
+    "TPU v5": 2765.0,
+    "TPU v4": 1228.0,
 }
 
 
 def log(*a):
-  print(*a, file=sys.stderr, flush=True)
+    print(*a, file=sys.stderr, flush=True)
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--contexts", default="4096,8192,16384,32768,65536,131072")
-  p.add_argument("--budgets", default="16,32,64", help="pages read per (seq, KV head)")
-  p.add_argument("--batch", type=int, default=8)
-  p.add_argument("--kv_heads", type=int, default=8)
-  p.add_argument("--group", type=int, default=4, help="query heads per KV head")
-  p.add_argument("--head_dim", type=int, default=128)
-  p.add_argument("--page_size", type=int, default=16)
-  p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-  p.add_argument("--softcap", type=float, default=0.0, help="0: none")
-  p.add_argument("--reps", type=int, default=20)
-  p.add_argument("--warmup", type=int, default=3)
-  p.add_argument("--num_splits", type=int, default=0, help="Triton splits (0: auto)")
-  p.add_argument("--pages_per_step", type=int, default=1, help="Pallas TPU pages per step")
-  p.add_argument("--skip_dense", action="store_true")
-  p.add_argument("--hbm_peak_gbs", type=float, default=0.0, help="override the table")
-  p.add_argument("--force_cpu_timing", action="store_true")
-  p.add_argument("--out", default="")
-  return p.parse_args(argv)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--contexts", default="4096,8192,16384,32768,65536,131072")
+    p.add_argument("--budgets", default="16,32,64", help="pages read per (seq, KV head)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--kv_heads", type=int, default=8)
+    p.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    p.add_argument("--head_dim", type=int, default=128)
+    p.add_argument("--page_size", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--softcap", type=float, default=0.0, help="0: none")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--num_splits", type=int, default=0, help="Triton splits (0: auto)")
+    p.add_argument("--pages_per_step", type=int, default=1, help="Pallas TPU pages per step")
+    p.add_argument("--skip_dense", action="store_true")
+    p.add_argument("--hbm_peak_gbs", type=float, default=0.0, help="override the table")
+    p.add_argument("--force_cpu_timing", action="store_true")
+    p.add_argument("--out", default="")
+    return p.parse_args(argv)
 
 
 def hbm_peak(device_kind: str, override: float) -> float | None:
-  if override:
-    return override
-  for key, gbs in HBM_PEAK_GBS.items():
-    if key.lower() in device_kind.lower():
-      return gbs
-  return None
+    if override:
+        return override
+    for key, gbs in HBM_PEAK_GBS.items():
+        if key.lower() in device_kind.lower():
+            return gbs
+    return None
 
 
 def make_cache(args, context: int, dtype):
-  """q, a cache of `context` tokens (buffer rounded up to a page; random K/V drawn on
-  device) and the query position context - 1."""
-  import jax
-  import jax.numpy as jnp
-  b, kv, g, h, ps = args.batch, args.kv_heads, args.group, args.head_dim, args.page_size
-  s = -(-context // ps) * ps
-  kq, kk, kv_key = jax.random.split(jax.random.key(context), 3)
-  q = jax.random.normal(kq, (b, kv * g, h), dtype)
-  k = jax.random.normal(kk, (b, kv, s, h), dtype)
-  v = jax.random.normal(kv_key, (b, kv, s, h), dtype)
-  return q, k, v, jnp.full((b,), context - 1, jnp.int32)
+    """q, a cache of `context` tokens (buffer rounded up to a page; random K/V drawn on
+    device) and the query position context - 1."""
+    import jax
+    import jax.numpy as jnp
+
+    b, kv, g, h, ps = args.batch, args.kv_heads, args.group, args.head_dim, args.page_size
+    s = -(-context // ps) * ps
+    kq, kk, kv_key = jax.random.split(jax.random.key(context), 3)
+    q = jax.random.normal(kq, (b, kv * g, h), dtype)
+    k = jax.random.normal(kk, (b, kv, s, h), dtype)
+    v = jax.random.normal(kv_key, (b, kv, s, h), dtype)
+    return q, k, v, jnp.full((b,), context - 1, jnp.int32)
 
 
 def make_ids(rng, args, context: int, budget: int):
-  """`budget` selected pages per (sequence, KV head): sink, current, random others, in
-  random slot order. Returns (ids int32 [B, K, budget], budget actually used)."""
-  import jax.numpy as jnp
-  cur = (context - 1) // args.page_size
-  budget = min(budget, cur + 1)
-  ids = np.empty((args.batch, args.kv_heads, budget), np.int32)
-  for i in range(args.batch):
-    for j in range(args.kv_heads):
-      others = rng.choice(np.arange(1, cur), budget - 2, replace=False) if budget > 2 else []
-      ids[i, j] = rng.permutation(np.concatenate([[0, cur], others]).astype(np.int32))
-  return jnp.asarray(ids), budget
+    """`budget` selected pages per (sequence, KV head): sink, current, random others, in
+    random slot order. Returns (ids int32 [B, K, budget], budget actually used)."""
+    import jax.numpy as jnp
+
+    cur = (context - 1) // args.page_size
+    budget = min(budget, cur + 1)
+    ids = np.empty((args.batch, args.kv_heads, budget), np.int32)
+    for i in range(args.batch):
+        for j in range(args.kv_heads):
+            others = rng.choice(np.arange(1, cur), budget - 2, replace=False) if budget > 2 else []
+            ids[i, j] = rng.permutation(np.concatenate([[0, cur], others]).astype(np.int32))
+    return jnp.asarray(ids), budget
 
 
 def time_fn(fn, args_, reps: int, warmup: int):
-  import jax
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args_))
-  ts = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args_))
-    ts.append(time.perf_counter() - t0)
-  return float(np.median(ts)), float(np.min(ts))
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args_))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args_))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)), float(np.min(ts))
 
 
 def cpu_sanity_check() -> dict:
-  """Interpret-mode Pallas decode kernel vs the XLA reference on a tiny shape."""
-  import jax.numpy as jnp
-  from dsparse_jax.attention import sparse
-  from dsparse_jax.attention.spec import LayerInfo
-  from pallas_kernels import sparse_decode
-  rng = np.random.default_rng(0)
-  b, kv, g, h, ps, n_pages = 2, 2, 2, 16, 8, 8
-  q = jnp.asarray(rng.normal(size=(b, kv * g, h)), jnp.float32)
-  k = jnp.asarray(rng.normal(size=(b, kv, n_pages * ps, h)), jnp.float32)
-  v = jnp.asarray(rng.normal(size=(b, kv, n_pages * ps, h)), jnp.float32)
-  pos = jnp.asarray([60, 21], jnp.int32)
-  ids = jnp.asarray([[[7, 0, 3, -1], [5, 7, 0, 2]], [[2, -1, 0, 1], [0, 2, -1, -1]]],
-                    jnp.int32)
-  layer = LayerInfo(index=1, window=None, softcap=None, scale=h ** -0.5)
-  want = sparse.sparse_decode_attention(q, k, v, pos, ids, layer, ps)
-  got = sparse_decode.sparse_decode_attention(q, k, v, pos, ids, layer, ps, interpret=True)
-  err = float(jnp.abs(got - want).max())
-  return {"check": "pallas sparse_decode (interpret) vs XLA reference",
-          "max_abs_err": err, "ok": err < 2e-5}
+    """Interpret-mode Pallas decode kernel vs the XLA reference on a tiny shape."""
+    import jax.numpy as jnp
+    from dsparse_jax.attention import sparse
+    from dsparse_jax.attention.spec import LayerInfo
+    from pallas_kernels import sparse_decode
+
+    rng = np.random.default_rng(0)
+    b, kv, g, h, ps, n_pages = 2, 2, 2, 16, 8, 8
+    q = jnp.asarray(rng.normal(size=(b, kv * g, h)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(b, kv, n_pages * ps, h)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(b, kv, n_pages * ps, h)), jnp.float32)
+    pos = jnp.asarray([60, 21], jnp.int32)
+    ids = jnp.asarray([[[7, 0, 3, -1], [5, 7, 0, 2]], [[2, -1, 0, 1], [0, 2, -1, -1]]], jnp.int32)
+    layer = LayerInfo(index=1, window=None, softcap=None, scale=h**-0.5)
+    want = sparse.sparse_decode_attention(q, k, v, pos, ids, layer, ps)
+    got = sparse_decode.sparse_decode_attention(q, k, v, pos, ids, layer, ps, interpret=True)
+    err = float(jnp.abs(got - want).max())
+    return {
+        "check": "pallas sparse_decode (interpret) vs XLA reference",
+        "max_abs_err": err,
+        "ok": err < 2e-5,
+    }
 
 
 def main(argv=None):
-  args = parse_args(argv)
-  import jax
-  import jax.numpy as jnp
-  from dsparse_jax.attention import dense, sparse
-  from dsparse_jax.attention.spec import LayerInfo
+    args = parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+    from dsparse_jax.attention import dense, sparse
+    from dsparse_jax.attention.spec import LayerInfo
 
-  backend = jax.default_backend()
-  dev = jax.devices()[0]
-  result = {"backend": backend, "device_kind": dev.device_kind, "jax": jax.__version__,
-            "args": vars(args), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-  if backend not in ("gpu", "tpu") and not args.force_cpu_timing:
-    log(f"bench_kernels: backend is {backend!r}: no accelerator, no kernel timings "
-        "(Pallas would run interpreted, Triton needs a GPU). Running a tiny interpret-mode "
-        "correctness check instead.")
-    result["mode"] = "cpu_sanity_check"
-    result["sanity"] = cpu_sanity_check()
-    result["rows"] = []
+    backend = jax.default_backend()
+    dev = jax.devices()[0]
+    result = {
+        "backend": backend,
+        "device_kind": dev.device_kind,
+        "jax": jax.__version__,
+        "args": vars(args),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    if backend not in ("gpu", "tpu") and not args.force_cpu_timing:
+        log(
+            f"bench_kernels: backend is {backend!r}: no accelerator, no kernel timings "
+            "(Pallas would run interpreted, Triton needs a GPU). Running a tiny interpret-mode "
+            "correctness check instead."
+        )
+        result["mode"] = "cpu_sanity_check"
+        result["sanity"] = cpu_sanity_check()
+        result["rows"] = []
+        emit(result, args.out)
+        return 0 if result["sanity"]["ok"] else 1
+
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    itemsize = jnp.dtype(dtype).itemsize
+    layer = LayerInfo(index=1, window=None, softcap=args.softcap or None, scale=args.head_dim**-0.5)
+    ps = args.page_size
+    if backend == "gpu":
+        from pallas_kernels import triton_decode
+
+        triton_decode.require_triton()
+        splits = args.num_splits or None
+        kernel = jax.jit(
+            lambda q, k, v, pos, ids: triton_decode.sparse_decode_attention(
+                q, k, v, pos, ids, layer, ps, num_splits=splits
+            )
+        )
+        kernel_name = "triton_gpu"
+    else:
+        from pallas_kernels import sparse_decode
+
+        interpret = backend != "tpu"
+        kernel = jax.jit(
+            lambda q, k, v, pos, ids: sparse_decode.sparse_decode_attention(
+                q,
+                k,
+                v,
+                pos,
+                ids,
+                layer,
+                ps,
+                pages_per_step=args.pages_per_step,
+                interpret=interpret,
+            )
+        )
+        kernel_name = "pallas_tpu" + ("_interpret" if interpret else "")
+    ref = jax.jit(
+        lambda q, k, v, pos, ids: sparse.sparse_decode_attention(q, k, v, pos, ids, layer, ps)
+    )
+    dense_fn = jax.jit(lambda q, k, v, pos: dense.decode_attention(q, k, v, pos, layer))
+    peak = hbm_peak(dev.device_kind, args.hbm_peak_gbs)
+    result.update(mode="timing", kernel=kernel_name, hbm_peak_gbs=peak, rows=[])
+    rng = np.random.default_rng(0)
+    b, kv, g, h = args.batch, args.kv_heads, args.group, args.head_dim
+    qo_bytes = 2 * b * kv * g * h * itemsize
+    for context in [int(c) for c in args.contexts.split(",")]:
+        dense_t = None
+        q, k, v, pos = make_cache(args, context, dtype)
+        for budget in [int(x) for x in args.budgets.split(",")]:
+            ids, budget = make_ids(rng, args, context, budget)
+            out_k = kernel(q, k, v, pos, ids)
+            out_r = ref(q, k, v, pos, ids)
+            err = float(jnp.abs(out_k.astype(jnp.float32) - out_r.astype(jnp.float32)).max())
+            t_kernel, t_kernel_min = time_fn(kernel, (q, k, v, pos, ids), args.reps, args.warmup)
+            t_ref, _ = time_fn(ref, (q, k, v, pos, ids), args.reps, args.warmup)
+            if dense_t is None and not args.skip_dense:
+                dense_t, _ = time_fn(dense_fn, (q, k, v, pos), args.reps, args.warmup)
+            sparse_bytes = 2 * b * kv * budget * ps * h * itemsize + qo_bytes
+            dense_bytes = 2 * b * kv * context * h * itemsize + qo_bytes
+            gbs = sparse_bytes / t_kernel / 1e9
+            row = {
+                "context": context,
+                "budget_pages": budget,
+                "budget_tokens": budget * ps,
+                "kernel_ms": t_kernel * 1e3,
+                "kernel_min_ms": t_kernel_min * 1e3,
+                "sparse_xla_ms": t_ref * 1e3,
+                "dense_xla_ms": None if dense_t is None else dense_t * 1e3,
+                "kernel_bytes": sparse_bytes,
+                "kernel_gbs": gbs,
+                "kernel_frac_of_peak": None if peak is None else gbs / peak,
+                "dense_gbs": None if dense_t is None else dense_bytes / dense_t / 1e9,
+                "max_abs_err_vs_reference": err,
+            }
+            if dense_t is not None:
+                row["speedup_vs_dense"] = dense_t / t_kernel
+                row["speedup_target"] = 0.7 * context / (budget * ps)
+                row["speedup_target_met"] = row["speedup_vs_dense"] >= row["speedup_target"]
+            if context == 32768 and peak is not None:
+                row["bandwidth_target_met"] = gbs / peak >= 0.6
+            result["rows"].append(row)
+            log(json.dumps(row))
+        del q, k, v
     emit(result, args.out)
-    return 0 if result["sanity"]["ok"] else 1
-
-  dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-  itemsize = jnp.dtype(dtype).itemsize
-  layer = LayerInfo(index=1, window=None, softcap=args.softcap or None,
-                    scale=args.head_dim ** -0.5)
-  ps = args.page_size
-  if backend == "gpu":
-    from pallas_kernels import triton_decode
-    triton_decode.require_triton()
-    splits = args.num_splits or None
-    kernel = jax.jit(lambda q, k, v, pos, ids: triton_decode.sparse_decode_attention(
-        q, k, v, pos, ids, layer, ps, num_splits=splits))
-    kernel_name = "triton_gpu"
-  else:
-    from pallas_kernels import sparse_decode
-    interpret = backend != "tpu"
-    kernel = jax.jit(lambda q, k, v, pos, ids: sparse_decode.sparse_decode_attention(
-        q, k, v, pos, ids, layer, ps, pages_per_step=args.pages_per_step,
-        interpret=interpret))
-    kernel_name = "pallas_tpu" + ("_interpret" if interpret else "")
-  ref = jax.jit(lambda q, k, v, pos, ids: sparse.sparse_decode_attention(
-      q, k, v, pos, ids, layer, ps))
-  dense_fn = jax.jit(lambda q, k, v, pos: dense.decode_attention(q, k, v, pos, layer))
-  peak = hbm_peak(dev.device_kind, args.hbm_peak_gbs)
-  result.update(mode="timing", kernel=kernel_name, hbm_peak_gbs=peak, rows=[])
-  rng = np.random.default_rng(0)
-  b, kv, g, h = args.batch, args.kv_heads, args.group, args.head_dim
-  qo_bytes = 2 * b * kv * g * h * itemsize
-  for context in [int(c) for c in args.contexts.split(",")]:
-    dense_t = None
-    q, k, v, pos = make_cache(args, context, dtype)
-    for budget in [int(x) for x in args.budgets.split(",")]:
-      ids, budget = make_ids(rng, args, context, budget)
-      out_k = kernel(q, k, v, pos, ids)
-      out_r = ref(q, k, v, pos, ids)
-      err = float(jnp.abs(out_k.astype(jnp.float32) - out_r.astype(jnp.float32)).max())
-      t_kernel, t_kernel_min = time_fn(kernel, (q, k, v, pos, ids), args.reps, args.warmup)
-      t_ref, _ = time_fn(ref, (q, k, v, pos, ids), args.reps, args.warmup)
-      if dense_t is None and not args.skip_dense:
-        dense_t, _ = time_fn(dense_fn, (q, k, v, pos), args.reps, args.warmup)
-      sparse_bytes = 2 * b * kv * budget * ps * h * itemsize + qo_bytes
-      dense_bytes = 2 * b * kv * context * h * itemsize + qo_bytes
-      gbs = sparse_bytes / t_kernel / 1e9
-      row = {"context": context, "budget_pages": budget, "budget_tokens": budget * ps,
-             "kernel_ms": t_kernel * 1e3, "kernel_min_ms": t_kernel_min * 1e3,
-             "sparse_xla_ms": t_ref * 1e3,
-             "dense_xla_ms": None if dense_t is None else dense_t * 1e3,
-             "kernel_bytes": sparse_bytes, "kernel_gbs": gbs,
-             "kernel_frac_of_peak": None if peak is None else gbs / peak,
-             "dense_gbs": None if dense_t is None else dense_bytes / dense_t / 1e9,
-             "max_abs_err_vs_reference": err}
-      if dense_t is not None:
-        row["speedup_vs_dense"] = dense_t / t_kernel
-        row["speedup_target"] = 0.7 * context / (budget * ps)
-        row["speedup_target_met"] = row["speedup_vs_dense"] >= row["speedup_target"]
-      if context == 32768 and peak is not None:
-        row["bandwidth_target_met"] = gbs / peak >= 0.6
-      result["rows"].append(row)
-      log(json.dumps(row))
-    del q, k, v
-  emit(result, args.out)
-  return 0
+    return 0
 
 
 def emit(result: dict, out: str):
-  text = json.dumps(result, indent=1)
-  print(text)
-  if out:
-    with open(out, "w") as f:
-      f.write(text + "\n")
+    text = json.dumps(result, indent=1)
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+    sys.exit(main())

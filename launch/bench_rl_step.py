@@ -27,31 +27,48 @@ from ml_collections import config_flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/gemma_math.py",
-                                          "Path to a config file with get_config().")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/gemma_math.py", "Path to a config file with get_config()."
+)
 _TERMS = flags.DEFINE_list("terms", ["4", "8", "16"], "task.num_terms values (lengths).")
 _MODES = flags.DEFINE_list("modes", ["dense", "distillsparse"], "rl.rollout_mode values.")
 _STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per (length, mode), after 1 warmup.")
 _OUT = flags.DEFINE_string("out", "bench_rl_step.json", "JSON results path.")
-_PARAMS_FROM = flags.DEFINE_string("params_from", None,
-                                   "Run dir whose SFT checkpoint (<dir>/sft) gives theta.")
-_IGNORE_EOS = flags.DEFINE_bool("ignore_eos", True,
-                                "Generate the full budget (EOS never ends a completion).")
+_PARAMS_FROM = flags.DEFINE_string(
+    "params_from", None, "Run dir whose SFT checkpoint (<dir>/sft) gives theta."
+)
+_IGNORE_EOS = flags.DEFINE_bool(
+    "ignore_eos", True, "Generate the full budget (EOS never ends a completion)."
+)
 
-PHASES = ("time_rollout", "time_rewards", "time_filter", "time_recompute", "time_update",
-          "time_teacher", "time_phi_update", "time_step")
+PHASES = (
+    "time_rollout",
+    "time_rewards",
+    "time_filter",
+    "time_recompute",
+    "time_update",
+    "time_teacher",
+    "time_phi_update",
+    "time_step",
+)
 
 
 def _sft_params(ctx, workdir):
     from dsparse_jax.train import checkpoints, sft
+
     tx = sft._optimizer(ctx.config.sft)
     ckpt = checkpoints.Checkpointer(workdir, "sft", keep=2)
     step = ckpt.latest_step()
     if step is None:
         raise SystemExit(f"no SFT checkpoint under {workdir}/sft")
     import jax
-    tree = ckpt.restore(step, checkpoints.to_saveable(ctx.init_params, tx.init(ctx.init_params),
-                                                      rng=jax.random.key(0), step=0))
+
+    tree = ckpt.restore(
+        step,
+        checkpoints.to_saveable(
+            ctx.init_params, tx.init(ctx.init_params), rng=jax.random.key(0), step=0
+        ),
+    )
     ckpt.close()
     return checkpoints.from_saveable(tree, ctx.init_params, tx.init(ctx.init_params))[0]
 
@@ -102,28 +119,40 @@ def main(argv):
                 if step:
                     timed.append(m)
             med = {p: statistics.median(t.get(p, 0.0) for t in timed) for p in PHASES}
-            med["response_length_mean"] = statistics.mean(t["response_length_mean"]
-                                                          for t in timed)
-            med.update(mode=mode, num_terms=terms, completion_budget=budget,
-                       batch_rows=c.rl.prompts_per_step * c.rl.samples_per_prompt,
-                       ignore_eos=_IGNORE_EOS.value)
+            med["response_length_mean"] = statistics.mean(t["response_length_mean"] for t in timed)
+            med.update(
+                mode=mode,
+                num_terms=terms,
+                completion_budget=budget,
+                batch_rows=c.rl.prompts_per_step * c.rl.samples_per_prompt,
+                ignore_eos=_IGNORE_EOS.value,
+            )
             row[mode] = med
             results.append(med)
-            print(f"[bench] terms {terms} (budget {budget} tokens) {mode}: " + " ".join(
-                f"{p[5:]} {med[p]:.3f}s" for p in PHASES) +
-                f" | mean length {med['response_length_mean']:.1f}", flush=True)
+            print(
+                f"[bench] terms {terms} (budget {budget} tokens) {mode}: "
+                + " ".join(f"{p[5:]} {med[p]:.3f}s" for p in PHASES)
+                + f" | mean length {med['response_length_mean']:.1f}",
+                flush=True,
+            )
         if "dense" in row:
             d = row["dense"]
-            print(f"[bench] terms {terms}: dense rollout share "
-                  f"{d['time_rollout'] / d['time_step']:.1%}", flush=True)
+            print(
+                f"[bench] terms {terms}: dense rollout share "
+                f"{d['time_rollout'] / d['time_step']:.1%}",
+                flush=True,
+            )
             for mode, r in row.items():
                 if mode != "dense":
                     distill_cost = r["time_phi_update"] + r["time_teacher"]
-                    print(f"[bench] terms {terms}: {mode} speedup vs dense "
-                          f"{d['time_step'] / r['time_step']:.2f}x; rollout "
-                          f"{d['time_rollout'] / max(r['time_rollout'], 1e-9):.2f}x; "
-                          f"distillation phases / dense update "
-                          f"{distill_cost / max(d['time_update'], 1e-9):.2f}", flush=True)
+                    print(
+                        f"[bench] terms {terms}: {mode} speedup vs dense "
+                        f"{d['time_step'] / r['time_step']:.2f}x; rollout "
+                        f"{d['time_rollout'] / max(r['time_rollout'], 1e-9):.2f}x; "
+                        f"distillation phases / dense update "
+                        f"{distill_cost / max(d['time_update'], 1e-9):.2f}",
+                        flush=True,
+                    )
     with open(_OUT.value, "w") as f:
         json.dump(results, f, indent=2)
     print(f"[bench] wrote {_OUT.value}", flush=True)

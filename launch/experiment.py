@@ -38,20 +38,33 @@ DEFAULT_CONFIG = os.path.join(ROOT, "configs", "gemma_math.py")
 # Every variant sets the three fields that define it, so a variant means the same thing
 # whatever the config's defaults are. "2n": rl.samples_generated = 2 * rl.samples_per_prompt.
 VARIANTS = {
-    "dense": {"rl.rollout_mode": "dense", "rl.is_correction": "none",
-              "rl.samples_generated": 0},
-    "sparse": {"rl.rollout_mode": "sparse", "rl.is_correction": "none",
-               "rl.samples_generated": 0},
-    "sparse_train": {"rl.rollout_mode": "sparse_train", "rl.is_correction": "none",
-                     "rl.samples_generated": 0},
-    "sparse_tis": {"rl.rollout_mode": "sparse", "rl.is_correction": "tis",
-                   "rl.samples_generated": 0},
-    "sparse_mis": {"rl.rollout_mode": "sparse", "rl.is_correction": "mis",
-                   "rl.samples_generated": 0},
-    "distillsparse": {"rl.rollout_mode": "distillsparse", "rl.is_correction": "none",
-                      "rl.samples_generated": 0},
-    "distillsparse_m2n": {"rl.rollout_mode": "distillsparse", "rl.is_correction": "none",
-                          "rl.samples_generated": "2n"},
+    "dense": {"rl.rollout_mode": "dense", "rl.is_correction": "none", "rl.samples_generated": 0},
+    "sparse": {"rl.rollout_mode": "sparse", "rl.is_correction": "none", "rl.samples_generated": 0},
+    "sparse_train": {
+        "rl.rollout_mode": "sparse_train",
+        "rl.is_correction": "none",
+        "rl.samples_generated": 0,
+    },
+    "sparse_tis": {
+        "rl.rollout_mode": "sparse",
+        "rl.is_correction": "tis",
+        "rl.samples_generated": 0,
+    },
+    "sparse_mis": {
+        "rl.rollout_mode": "sparse",
+        "rl.is_correction": "mis",
+        "rl.samples_generated": 0,
+    },
+    "distillsparse": {
+        "rl.rollout_mode": "distillsparse",
+        "rl.is_correction": "none",
+        "rl.samples_generated": 0,
+    },
+    "distillsparse_m2n": {
+        "rl.rollout_mode": "distillsparse",
+        "rl.is_correction": "none",
+        "rl.samples_generated": "2n",
+    },
 }
 DESCRIPTIONS = {
     "dense": "dense rollout, dense training",
@@ -63,9 +76,13 @@ DESCRIPTIONS = {
     "distillsparse_m2n": "DistillSparse + oversampling M = 2n, top-n by reward",
 }
 MAIN = ("dense", "sparse", "distillsparse")  # the main comparison: every seed
-ALIASES = {"sparse+tis": "sparse_tis", "sparse+mis": "sparse_mis",
-           "distillsparse+m2n": "distillsparse_m2n", "distillsparse+M=2n": "distillsparse_m2n",
-           "distillsparse+m=2n": "distillsparse_m2n"}
+ALIASES = {
+    "sparse+tis": "sparse_tis",
+    "sparse+mis": "sparse_mis",
+    "distillsparse+m2n": "distillsparse_m2n",
+    "distillsparse+M=2n": "distillsparse_m2n",
+    "distillsparse+m=2n": "distillsparse_m2n",
+}
 
 # Every run (below the quick preset and --set): completion-position bins of 16 tokens for
 # the mismatch metrics (the config's 256 is meant for long generations; the embedded
@@ -80,7 +97,9 @@ BASE = {"metrics.position_bin": 16}
 QUICK = {
     "sparse.budget": 4,
     "rl.num_steps": 20,
-    "eval.num_problems": 64, "eval.every": 5, "eval.mean_at_k": 2,
+    "eval.num_problems": 64,
+    "eval.every": 5,
+    "eval.mean_at_k": 2,
     "checkpoint.every": 5,
     "log.tensorboard": False,
 }
@@ -104,7 +123,7 @@ def parse_sets(items: list[str]) -> dict:
         if key.startswith("--"):
             key = key[2:]
         if key.startswith("config."):
-            key = key[len("config."):]
+            key = key[len("config.") :]
         if not sep or not key:
             raise SystemExit(f"--set {item!r}: expected key=value, e.g. rl.learning_rate=1e-4")
         out[key] = value
@@ -119,10 +138,12 @@ def load_config(config_path: str, overrides: dict):
     """The ConfigDict launch/train.py would build from these overrides (no jax import)."""
     from absl import flags
     from ml_collections import config_flags
+
     fv = flags.FlagValues()
     argv = ["experiment", f"--config={config_path}", *override_args(overrides)]
-    config_flags.DEFINE_config_file("config", config_path, "config", flag_values=fv,
-                                    lock_config=True, sys_argv=argv)
+    config_flags.DEFINE_config_file(
+        "config", config_path, "config", flag_values=fv, lock_config=True, sys_argv=argv
+    )
     try:
         fv(argv)
     except (flags.Error, KeyError, ValueError, AttributeError) as e:
@@ -139,8 +160,10 @@ def resolve_variants(spec: str | None, quick: bool) -> list[str]:
     for name in spec.split(","):
         name = ALIASES.get(name.strip(), name.strip())
         if name not in VARIANTS:
-            raise SystemExit(f"unknown variant {name!r}; known: {', '.join(VARIANTS)} "
-                             f"(aliases {', '.join(ALIASES)})")
+            raise SystemExit(
+                f"unknown variant {name!r}; known: {', '.join(VARIANTS)} "
+                f"(aliases {', '.join(ALIASES)})"
+            )
         if name not in out:
             out.append(name)
     return out
@@ -207,12 +230,16 @@ def run_state(workdir: str, num_steps: int) -> tuple[str, int]:
     """('done' | 'partial' | 'new', last RL step logged). Done: summary.json written (the
     run's last act) after RL reached num_steps with the final evaluation logged."""
     from dsparse_jax.train.metrics import read_metrics
+
     records = read_metrics(workdir)
     rl_steps = [r["step"] for r in records if r["phase"] == "rl"]
     eval_steps = [r["step"] for r in records if r["phase"] == "eval"]
     last = max(rl_steps, default=0)
-    if (os.path.exists(os.path.join(workdir, "summary.json")) and last >= num_steps
-            and max(eval_steps, default=-1) >= num_steps):
+    if (
+        os.path.exists(os.path.join(workdir, "summary.json"))
+        and last >= num_steps
+        and max(eval_steps, default=-1) >= num_steps
+    ):
         return "done", last
     return ("partial" if records else "new"), last
 
@@ -226,8 +253,10 @@ def _check_same(path: str, key: str, current: dict, what: str) -> None:
     now = {k: fmt_value(v) for k, v in current.items() if k != "rl.num_steps"}
     if before != now:
         diff = sorted(set(before.items()) ^ set(now.items()))
-        raise SystemExit(f"{what} was started with other settings (differences: {diff}); "
-                         f"use another --expdir or delete {os.path.dirname(path)}")
+        raise SystemExit(
+            f"{what} was started with other settings (differences: {diff}); "
+            f"use another --expdir or delete {os.path.dirname(path)}"
+        )
 
 
 # ------------------------------------------------------------------------------ processes
@@ -243,11 +272,13 @@ def _launch(cmd: list[str], log_path: str, env: dict, verbose: bool) -> tuple[in
     """Runs cmd with stdout+stderr appended to log_path (and echoed with --verbose)."""
     t0 = time.time()
     with open(log_path, "a") as log:
-        log.write(f"\n=== {datetime.datetime.now().isoformat(timespec='seconds')} "
-                  f"{' '.join(cmd)}\n")
+        log.write(
+            f"\n=== {datetime.datetime.now().isoformat(timespec='seconds')} {' '.join(cmd)}\n"
+        )
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                env=env, text=True, bufsize=1)
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, bufsize=1
+        )
         try:
             for line in proc.stdout:
                 log.write(line)
@@ -280,8 +311,11 @@ def ensure_sft_base(args, common: dict, seed: int) -> str | None:
     base = os.path.join(args.expdir, "sft_base")
     os.makedirs(base, exist_ok=True)
     if not load_config(args.config, common).sft.get("enabled", True):
-        print("[experiment] sft.enabled=False: no SFT warm start (RL starts from the "
-              "initial weights)", flush=True)
+        print(
+            "[experiment] sft.enabled=False: no SFT warm start (RL starts from the "
+            "initial weights)",
+            flush=True,
+        )
         return None
     sft_over = {k: v for k, v in common.items() if k.startswith(SFT_KEYS)}
     sft_over["seed"] = seed
@@ -290,18 +324,28 @@ def ensure_sft_base(args, common: dict, seed: int) -> str | None:
     if os.path.exists(os.path.join(base, "sft", "DONE.json")):
         print(f"[experiment] SFT warm start: reusing {base}/sft", flush=True)
         return base
-    meta = _read_json(meta_path) or {"overrides": {k: fmt_value(v) for k, v in
-                                                   sft_over.items()}, "attempts": []}
-    cmd = [sys.executable, os.path.abspath(__file__), "_sft", f"--config={args.config}",
-           f"--workdir={base}", *override_args(sft_over)]
+    meta = _read_json(meta_path) or {
+        "overrides": {k: fmt_value(v) for k, v in sft_over.items()},
+        "attempts": [],
+    }
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "_sft",
+        f"--config={args.config}",
+        f"--workdir={base}",
+        *override_args(sft_over),
+    ]
     print(f"[experiment] SFT warm start in {base} (log {base}/train.log)", flush=True)
     started = datetime.datetime.now().isoformat(timespec="seconds")
     rc, wall = _launch(cmd, os.path.join(base, "train.log"), _child_env(args), args.verbose)
     meta["attempts"].append({"start": started, "wall_s": wall, "rc": rc})
     _write_json(meta_path, meta)
     if rc != 0 or not os.path.exists(os.path.join(base, "sft", "DONE.json")):
-        raise SystemExit(f"[experiment] SFT warm start failed (rc {rc}):\n"
-                         + _tail(os.path.join(base, "train.log")))
+        raise SystemExit(
+            f"[experiment] SFT warm start failed (rc {rc}):\n"
+            + _tail(os.path.join(base, "train.log"))
+        )
     print(f"[experiment] SFT warm start done in {wall:.0f}s", flush=True)
     return base
 
@@ -337,13 +381,14 @@ def cmd_run(args) -> int:
     if args.budget_from_sweep:
         sweep = _read_json(os.path.join(args.expdir, "sweep", "sweep.json"))
         if not sweep or sweep.get("suggested_budget") is None:
-            raise SystemExit(f"--budget_from_sweep: no suggested budget in "
-                             f"{args.expdir}/sweep/sweep.json (run `sweep` first)")
+            raise SystemExit(
+                f"--budget_from_sweep: no suggested budget in "
+                f"{args.expdir}/sweep/sweep.json (run `sweep` first)"
+            )
         if "sparse.budget" in parse_sets(args.set):
             raise SystemExit("--budget_from_sweep and --set sparse.budget: choose one")
         common["sparse.budget"] = sweep["suggested_budget"]
-        print(f"[experiment] sparse.budget={sweep['suggested_budget']} from the sweep",
-              flush=True)
+        print(f"[experiment] sparse.budget={sweep['suggested_budget']} from the sweep", flush=True)
     cfg = load_config(args.config, common)  # fails early on a bad override
     num_steps = cfg.rl.num_steps
     runs = plan_runs(variants, seeds)
@@ -351,11 +396,15 @@ def cmd_run(args) -> int:
     for v, s in runs:
         wd = os.path.join(args.expdir, run_name(v, s))
         states[(v, s)] = run_state(wd, num_steps) if os.path.isdir(wd) else ("new", 0)
-    print(f"[experiment] {len(runs)} runs, {num_steps} RL steps each, expdir {args.expdir}",
-          flush=True)
+    print(
+        f"[experiment] {len(runs)} runs, {num_steps} RL steps each, expdir {args.expdir}",
+        flush=True,
+    )
     for (v, s), (state, last) in states.items():
-        print(f"  {run_name(v, s):24s} {state}" + (f" (step {last})" if state == "partial"
-                                                   else ""), flush=True)
+        print(
+            f"  {run_name(v, s):24s} {state}" + (f" (step {last})" if state == "partial" else ""),
+            flush=True,
+        )
     if args.dry_run:
         return 0
 
@@ -363,10 +412,17 @@ def cmd_run(args) -> int:
     os.makedirs(args.expdir, exist_ok=True)
     exp_path = os.path.join(args.expdir, "experiment.json")
     exp = _read_json(exp_path) or {}
-    exp.update({"config": os.path.abspath(args.config), "quick": args.quick,
-                "common_overrides": {k: fmt_value(v) for k, v in common.items()},
-                "seeds": seeds, "variants": variants, "num_steps": num_steps,
-                "runs": sorted(set(exp.get("runs", [])) | {run_name(v, s) for v, s in runs})})
+    exp.update(
+        {
+            "config": os.path.abspath(args.config),
+            "quick": args.quick,
+            "common_overrides": {k: fmt_value(v) for k, v in common.items()},
+            "seeds": seeds,
+            "variants": variants,
+            "num_steps": num_steps,
+            "runs": sorted(set(exp.get("runs", [])) | {run_name(v, s) for v, s in runs}),
+        }
+    )
     _write_json(exp_path, exp)
     base = ensure_sft_base(args, common, seeds[0])
     env = _child_env(args)
@@ -384,35 +440,52 @@ def cmd_run(args) -> int:
                 continue
         os.makedirs(wd, exist_ok=True)
         meta = _read_json(meta_path) or {"variant": v, "seed": s, "attempts": []}
-        meta.update(variant=v, seed=s, description=DESCRIPTIONS[v],
-                    overrides={k: fmt_value(x) for k, x in over.items()})
+        meta.update(
+            variant=v,
+            seed=s,
+            description=DESCRIPTIONS[v],
+            overrides={k: fmt_value(x) for k, x in over.items()},
+        )
         _write_json(meta_path, meta)
         give_sft(base, wd)
         state, last = run_state(wd, num_steps)
-        print(f"[experiment] {i + 1}/{len(runs)} {name}: "
-              + (f"resuming (step {last})" if state == "partial" else "starting")
-              + f", log {wd}/train.log", flush=True)
-        cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"),
-               f"--config={args.config}", f"--workdir={wd}", *override_args(over)]
+        print(
+            f"[experiment] {i + 1}/{len(runs)} {name}: "
+            + (f"resuming (step {last})" if state == "partial" else "starting")
+            + f", log {wd}/train.log",
+            flush=True,
+        )
+        cmd = [
+            sys.executable,
+            os.path.join(ROOT, "launch", "train.py"),
+            f"--config={args.config}",
+            f"--workdir={wd}",
+            *override_args(over),
+        ]
         started = datetime.datetime.now().isoformat(timespec="seconds")
         t_run = time.time()
         try:
             rc, wall = _launch(cmd, os.path.join(wd, "train.log"), env, args.verbose)
         except KeyboardInterrupt:
-            meta["attempts"].append({"start": started, "rc": "interrupted",
-                                     "wall_s": time.time() - t_run})
+            meta["attempts"].append(
+                {"start": started, "rc": "interrupted", "wall_s": time.time() - t_run}
+            )
             _write_json(meta_path, meta)
-            print(f"\n[experiment] interrupted during {name}; rerun the same command to "
-                  "resume", flush=True)
+            print(
+                f"\n[experiment] interrupted during {name}; rerun the same command to resume",
+                flush=True,
+            )
             return 130
         meta["attempts"].append({"start": started, "wall_s": wall, "rc": rc})
         _write_json(meta_path, meta)
         state, last = run_state(wd, num_steps)
         if rc != 0 or state != "done":
             failed.append(name)
-            print(f"[experiment] {name} FAILED (rc {rc}, {state} at step {last}) after "
-                  f"{wall:.0f}s; last lines of {wd}/train.log:\n{_tail(wd + '/train.log')}",
-                  flush=True)
+            print(
+                f"[experiment] {name} FAILED (rc {rc}, {state} at step {last}) after "
+                f"{wall:.0f}s; last lines of {wd}/train.log:\n{_tail(wd + '/train.log')}",
+                flush=True,
+            )
         else:
             print(f"[experiment] {name} done in {wall:.0f}s", flush=True)
     print(f"[experiment] this invocation took {time.time() - t_start:.0f}s", flush=True)
@@ -425,8 +498,9 @@ def cmd_run(args) -> int:
 
 
 # ---------------------------------------------------------------------------------- sweep
-def measure_sweep(config, sft_dir: str | None, budgets: list[int], prompts: int,
-                  batches_n: int, greedy: bool) -> dict:
+def measure_sweep(
+    config, sft_dir: str | None, budgets: list[int], prompts: int, batches_n: int, greedy: bool
+) -> dict:
     """Mismatch of the naive sparse actor (theta from the SFT warm start, no adapter) vs
     the dense policy, per sparse.budget, without training: the sparse actor samples
     `prompts` x rl.samples_per_prompt completions of the RL prompt stream (batches_n
@@ -459,9 +533,13 @@ def measure_sweep(config, sft_dir: str | None, budgets: list[int], prompts: int,
             writer.close()
     c = config.rl
     n_bins = max(1, math.ceil(batches.completion_budget(ctx.task) / config.metrics.position_bin))
-    scfg = SamplingConfig(max_new_tokens=batches.completion_budget(ctx.task),
-                          eos_id=ctx.tok.eos_id, pad_id=ctx.tok.pad_id,
-                          temperature=c.temperature, samples_per_prompt=c.samples_per_prompt)
+    scfg = SamplingConfig(
+        max_new_tokens=batches.completion_budget(ctx.task),
+        eos_id=ctx.tok.eos_id,
+        pad_id=ctx.tok.pad_id,
+        temperature=c.temperature,
+        samples_per_prompt=c.samples_per_prompt,
+    )
     total_pages = ctx.seq_width // ctx.spec.page_size
     rows = []
     for budget in [None] + budgets:
@@ -472,8 +550,9 @@ def measure_sweep(config, sft_dir: str | None, budgets: list[int], prompts: int,
             spec = twin = dataclasses.replace(ctx.rollout_spec, sparse=sp)
         per_batch, times, toks, rewards = [], [], [], []
         for b in range(batches_n):
-            probs = problems(ctx.task, "train", rl_loop.RL_DATA_OFFSET + b * prompts, prompts,
-                             config.seed)
+            probs = problems(
+                ctx.task, "train", rl_loop.RL_DATA_OFFSET + b * prompts, prompts, config.seed
+            )
             pr, ln = batches.encode_prompts(ctx.tok, probs, batches.prompt_buffer(ctx.task))
             key = jax.random.fold_in(jax.random.key(config.seed + 11), b)
             t = time.time()
@@ -486,11 +565,21 @@ def measure_sweep(config, sft_dir: str | None, budgets: list[int], prompts: int,
                 toks.append(float(ncomp.sum()))
             rew, _ = score(ctx.tok, r, probs, config.task.format_reward)
             rewards.append(np.asarray(rew))
-            rec = distill.recompute(params, None, r.tokens, r.prompt_lengths,
-                                    r.completion_mask, r.pages(), r.logprobs,
-                                    graphdef=ctx.graphdef, temperature=c.temperature,
-                                    dense_spec=ctx.spec, twin_spec=twin,
-                                    bin_width=config.metrics.position_bin, num_bins=n_bins)
+            rec = distill.recompute(
+                params,
+                None,
+                r.tokens,
+                r.prompt_lengths,
+                r.completion_mask,
+                r.pages(),
+                r.logprobs,
+                graphdef=ctx.graphdef,
+                temperature=c.temperature,
+                dense_spec=ctx.spec,
+                twin_spec=twin,
+                bin_width=config.metrics.position_bin,
+                num_bins=n_bins,
+            )
             m = distill.flatten_metrics(jax.device_get(rec["metrics"]))
             m["response_length_mean"] = float(ncomp.mean())
             per_batch.append(m)
@@ -500,31 +589,49 @@ def measure_sweep(config, sft_dir: str | None, budgets: list[int], prompts: int,
             vals = [m[k] for m in per_batch if k in m and math.isfinite(m[k])]
             row[k] = float(np.mean(vals)) if vals else float("nan")
         allr = np.concatenate(rewards)
-        row.update(budget=budget, reward=float(allr.mean()),
-                   accuracy=float((allr == 1.0).mean()),
-                   rollout_tokens_per_s=float(sum(toks) / sum(times)) if times else None,
-                   pages_read=budget if budget is not None else total_pages,
-                   page_fraction=(min(budget, total_pages) / total_pages) if budget else 1.0)
+        row.update(
+            budget=budget,
+            reward=float(allr.mean()),
+            accuracy=float((allr == 1.0).mean()),
+            rollout_tokens_per_s=float(sum(toks) / sum(times)) if times else None,
+            pages_read=budget if budget is not None else total_pages,
+            page_fraction=(min(budget, total_pages) / total_pages) if budget else 1.0,
+        )
         if greedy:
             row["greedy_accuracy"] = ctx.evaluator.greedy(params, spec=spec)
         rows.append(row)
-        print(f"[sweep] budget {budget or 'dense'}: "
-              + " ".join(f"{k} {row[k]:.4g}" for k in ("kl_exact", "alpha_mean", "alpha_p5",
-                                                       "reward", "greedy_accuracy")
-                         if isinstance(row.get(k), float)), flush=True)
-    return {"sft_greedy_accuracy": sft_acc, "total_pages": total_pages,
-            "page_size": ctx.spec.page_size, "seq_width": ctx.seq_width,
-            "sparse_layers": [i for i in range(ctx.model_cfg.num_layers)
-                              if i >= config.sparse.dense_layers],
-            "dense_layers": config.sparse.dense_layers, "policy": config.sparse.policy,
-            "prompts": prompts, "samples_per_prompt": c.samples_per_prompt,
-            "batches": batches_n, "temperature": c.temperature,
-            "bin_width": config.metrics.position_bin, "rows": rows}
+        print(
+            f"[sweep] budget {budget or 'dense'}: "
+            + " ".join(
+                f"{k} {row[k]:.4g}"
+                for k in ("kl_exact", "alpha_mean", "alpha_p5", "reward", "greedy_accuracy")
+                if isinstance(row.get(k), float)
+            ),
+            flush=True,
+        )
+    return {
+        "sft_greedy_accuracy": sft_acc,
+        "total_pages": total_pages,
+        "page_size": ctx.spec.page_size,
+        "seq_width": ctx.seq_width,
+        "sparse_layers": [
+            i for i in range(ctx.model_cfg.num_layers) if i >= config.sparse.dense_layers
+        ],
+        "dense_layers": config.sparse.dense_layers,
+        "policy": config.sparse.policy,
+        "prompts": prompts,
+        "samples_per_prompt": c.samples_per_prompt,
+        "batches": batches_n,
+        "temperature": c.temperature,
+        "bin_width": config.metrics.position_bin,
+        "rows": rows,
+    }
 
 
 def longest_bin(row: dict, name: str = "alpha_p5"):
     """(bin index, value) of `name` in the last completion-position bin with tokens."""
     import math
+
     best = None
     i = 0
     while f"tokens_bin{i}" in row:
@@ -538,14 +645,18 @@ def longest_bin(row: dict, name: str = "alpha_p5"):
 def suggest_budget(result: dict, kl_threshold: float) -> int | None:
     """The largest (least sparse) budget whose naive sparse actor is measurably off-policy:
     mean exact KL(sparse || dense) per token >= kl_threshold."""
-    ok = [r["budget"] for r in result["rows"] if r["budget"] is not None
-          and r.get("kl_exact", 0.0) >= kl_threshold]
+    ok = [
+        r["budget"]
+        for r in result["rows"]
+        if r["budget"] is not None and r.get("kl_exact", 0.0) >= kl_threshold
+    ]
     return max(ok) if ok else None
 
 
 def sweep_markdown(result: dict) -> str:
     def f(v, p=4):
         return "-" if v is None or (isinstance(v, float) and v != v) else f"{v:.{p}g}"
+
     lines = [
         f"Naive sparse actor (SFT warm start, no adapter, policy `{result['policy']}`, layers "
         f"{result['sparse_layers']} sparse) vs the dense policy, measured on "
@@ -557,7 +668,8 @@ def sweep_markdown(result: dict) -> str:
         "",
         "| budget (pages) | pages read / buffer | KL(sparse‖dense) exact | k3 KL | mean α "
         "| p5 α | p5 α, longest bin | sampled reward | greedy acc. (actor) | rollout tok/s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in result["rows"]:
         lb = longest_bin(r)
         lines.append(
@@ -565,11 +677,18 @@ def sweep_markdown(result: dict) -> str:
             f"| {f(r['page_fraction'], 2)} | {f(r.get('kl_exact'))} | {f(r.get('kl_k3'))} "
             f"| {f(r.get('alpha_mean'))} | {f(r.get('alpha_p5'))} "
             f"| {f(lb[1]) + f' (bin {lb[0]})' if lb else '-'} | {f(r['reward'], 3)} "
-            f"| {f(r.get('greedy_accuracy'), 3)} | {f(r.get('rollout_tokens_per_s'), 4)} |")
+            f"| {f(r.get('greedy_accuracy'), 3)} | {f(r.get('rollout_tokens_per_s'), 4)} |"
+        )
     s = result.get("suggested_budget")
-    lines += ["", f"Suggested budget (largest with exact KL >= {result['kl_threshold']:g}): "
-              + (f"**{s}** (pass `--set sparse.budget={s}`)" if s is not None
-                 else "none of the budgets measured")]
+    lines += [
+        "",
+        f"Suggested budget (largest with exact KL >= {result['kl_threshold']:g}): "
+        + (
+            f"**{s}** (pass `--set sparse.budget={s}`)"
+            if s is not None
+            else "none of the budgets measured"
+        ),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -602,16 +721,19 @@ def _sft_child(argv: list[str]) -> int:
     """`experiment.py _sft --config=... --workdir=... --config.x=y`: SFT warm start only."""
     from absl import flags, logging
     from ml_collections import config_flags
+
     fv = flags.FlagValues()
     argv = ["experiment_sft", *argv]
-    config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "config", flag_values=fv,
-                                    lock_config=True, sys_argv=argv)
+    config_flags.DEFINE_config_file(
+        "config", DEFAULT_CONFIG, "config", flag_values=fv, lock_config=True, sys_argv=argv
+    )
     flags.DEFINE_string("workdir", None, "SFT directory", flag_values=fv)
     fv(argv)
     logging.set_verbosity(logging.WARNING)
     from dsparse_jax.train import context, run, sft
     from dsparse_jax.train.metrics import MetricsWriter
     from dsparse_jax.train.validate import validate
+
     config, workdir = fv.config, fv.workdir
     validate(config)
     run.prepare_workdir(workdir)
@@ -624,8 +746,10 @@ def _sft_child(argv: list[str]) -> int:
         _, acc = sft.warm_start(ctx, workdir, writer)
     finally:
         writer.close()
-    _write_json(os.path.join(workdir, "summary.json"),
-                {"sft_greedy_accuracy": acc, "wall_time_s": time.time() - t0})
+    _write_json(
+        os.path.join(workdir, "summary.json"),
+        {"sft_greedy_accuracy": acc, "wall_time_s": time.time() - t0},
+    )
     return 0
 
 
@@ -633,8 +757,10 @@ def _sft_child(argv: list[str]) -> int:
 def _results():
     """launch/results.py as a module (launch/ is not a package)."""
     import importlib.util
+
     spec = importlib.util.spec_from_file_location(
-        "dsparse_results", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.py"))
+        "dsparse_results", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.py")
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -643,32 +769,53 @@ def _results():
 def _common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=DEFAULT_CONFIG, help="config file (get_config())")
     p.add_argument("--expdir", required=True, help="experiment directory")
-    p.add_argument("--quick", action="store_true",
-                   help="the quick preset (QUICK in this file; docs/experiments.md)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override for every run (and the SFT warm start), repeatable")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="the quick preset (QUICK in this file; docs/experiments.md)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for every run (and the SFT warm start), repeatable",
+    )
     p.add_argument("--steps", type=int, default=None, help="RL steps per run (rl.num_steps)")
-    p.add_argument("--seeds", default=None,
-                   help="comma list (default 0,1): the main comparison (dense, sparse, "
-                        "distillsparse) runs every seed, the other variants the first")
-    p.add_argument("--compile_cache", default=None,
-                   help="JAX persistent compilation cache shared by the runs "
-                        "(default <expdir>/jax_cache; '' disables)")
+    p.add_argument(
+        "--seeds",
+        default=None,
+        help="comma list (default 0,1): the main comparison (dense, sparse, "
+        "distillsparse) runs every seed, the other variants the first",
+    )
+    p.add_argument(
+        "--compile_cache",
+        default=None,
+        help="JAX persistent compilation cache shared by the runs "
+        "(default <expdir>/jax_cache; '' disables)",
+    )
     p.add_argument("--verbose", action="store_true", help="echo the runs' output")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run (or resume) the variants")
     _common_args(r)
-    r.add_argument("--variants", default=None,
-                   help=f"comma list or 'all' (default: all; with --quick {','.join(MAIN)}); "
-                        f"known: {', '.join(VARIANTS)}")
+    r.add_argument(
+        "--variants",
+        default=None,
+        help=f"comma list or 'all' (default: all; with --quick {','.join(MAIN)}); "
+        f"known: {', '.join(VARIANTS)}",
+    )
     r.add_argument("--dry_run", action="store_true", help="print the plan and run states only")
-    r.add_argument("--budget_from_sweep", action="store_true",
-                   help="sparse.budget = the suggested budget of <expdir>/sweep/sweep.json")
+    r.add_argument(
+        "--budget_from_sweep",
+        action="store_true",
+        help="sparse.budget = the suggested budget of <expdir>/sweep/sweep.json",
+    )
     r.add_argument("--report", action="store_true", help="write the report afterwards")
     r.add_argument("--out", default=os.path.join(ROOT, "docs", "results.md"))
     r.add_argument("--fig_dir", default=None, help="default <dir of --out>/results")
@@ -679,15 +826,26 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sweep", help="sparsity-level sweep on the SFT warm start")
     _common_args(s)
     s.add_argument("--budgets", default=DEFAULT_BUDGETS, help="sparse.budget values (pages)")
-    s.add_argument("--prompts", type=int, default=0,
-                   help="prompts per batch (default rl.prompts_per_step)")
-    s.add_argument("--batches", type=int, default=2,
-                   help="batches per budget; the first (compile) is not timed, so 1 batch "
-                        "gives no tokens/s")
-    s.add_argument("--kl_threshold", type=float, default=0.01,
-                   help="'measurably off-policy': mean exact KL per token at least this")
-    s.add_argument("--no_greedy", action="store_true",
-                   help="skip the actor's held-out greedy accuracy per budget")
+    s.add_argument(
+        "--prompts", type=int, default=0, help="prompts per batch (default rl.prompts_per_step)"
+    )
+    s.add_argument(
+        "--batches",
+        type=int,
+        default=2,
+        help="batches per budget; the first (compile) is not timed, so 1 batch gives no tokens/s",
+    )
+    s.add_argument(
+        "--kl_threshold",
+        type=float,
+        default=0.01,
+        help="'measurably off-policy': mean exact KL per token at least this",
+    )
+    s.add_argument(
+        "--no_greedy",
+        action="store_true",
+        help="skip the actor's held-out greedy accuracy per budget",
+    )
     rep = sub.add_parser("report", help="write docs/results.md and the figures")
     rep.add_argument("--expdir", required=True)
     rep.add_argument("--out", default=os.path.join(ROOT, "docs", "results.md"))

@@ -38,11 +38,20 @@ from dsparse_jax.train.metrics import read_metrics  # noqa: E402
 
 BEGIN = "<!-- BEGIN CONCLUSIONS: human-written, kept as is when the report is regenerated -->"
 END = "<!-- END CONCLUSIONS -->"
-PLACEHOLDER = ("_Not written yet. State which claims replicated at this scale and which "
-               "did not, with the numbers above; a finding that does not replicate is "
-               "reported as such._")
-ORDER = ("dense", "sparse", "sparse_train", "sparse_tis", "sparse_mis", "distillsparse",
-         "distillsparse_m2n")
+PLACEHOLDER = (
+    "_Not written yet. State which claims replicated at this scale and which "
+    "did not, with the numbers above; a finding that does not replicate is "
+    "reported as such._"
+)
+ORDER = (
+    "dense",
+    "sparse",
+    "sparse_train",
+    "sparse_tis",
+    "sparse_mis",
+    "distillsparse",
+    "distillsparse_m2n",
+)
 MAIN = ("dense", "sparse", "distillsparse")
 _BIN = re.compile(r"^(.*)_bin(\d+)$")
 
@@ -71,7 +80,7 @@ def _median(vals):
 
 
 def final_window(rl: list[dict]) -> list[dict]:
-    return rl[-max(1, math.ceil(len(rl) / 10)):] if rl else []
+    return rl[-max(1, math.ceil(len(rl) / 10)) :] if rl else []
 
 
 def bin_values(records: list[dict], name: str) -> dict[int, float]:
@@ -117,14 +126,20 @@ def summarize_run(workdir: str) -> dict | None:
     if wall is None:
         wall = (_read_json(os.path.join(workdir, "summary.json")) or {}).get("wall_time_s")
     out = {
-        "name": name, "workdir": workdir, "variant": variant, "seed": seed,
-        "steps": rl[-1]["step"], "num_steps": num_steps,
+        "name": name,
+        "workdir": workdir,
+        "variant": variant,
+        "seed": seed,
+        "steps": rl[-1]["step"],
+        "num_steps": num_steps,
         "done": os.path.exists(os.path.join(workdir, "summary.json"))
-                and num_steps is not None and rl[-1]["step"] >= num_steps,
+        and num_steps is not None
+        and rl[-1]["step"] >= num_steps,
         "eval_step": last_ev.get("step"),
         "greedy_accuracy": last_ev.get("greedy_accuracy"),
         "greedy_accuracy_step0": first_ev.get("greedy_accuracy"),
-        "mean_at_k": last_ev.get(kkey) if kkey else None, "k": k,
+        "mean_at_k": last_ev.get(kkey) if kkey else None,
+        "k": k,
         "actor_greedy_accuracy": last_ev.get("sparse_greedy_accuracy"),
         "kl_exact": _mean(r.get("kl_exact") for r in fin),
         "kl_k3": _mean(r.get("kl_k3") for r in fin),
@@ -137,7 +152,7 @@ def summarize_run(workdir: str) -> dict | None:
         "worst_bin": min(alpha_bins, key=alpha_bins.get) if alpha_bins else None,
         "kl_first_bin": kl_bins[min(kl_bins)] if kl_bins else None,
         "kl_longest_bin": kl_bins[max(kl_bins)] if kl_bins else None,
-        "kl_exact_first": _mean(r.get("kl_exact") for r in rl[:max(1, math.ceil(len(rl) / 10))]),
+        "kl_exact_first": _mean(r.get("kl_exact") for r in rl[: max(1, math.ceil(len(rl) / 10))]),
         "reward_final": _mean(r.get("reward") for r in fin),
         "response_length_final": _mean(r.get("response_length_mean") for r in fin),
         "tis_clip_frac": _mean(r.get("tis_clip_frac") for r in fin),
@@ -162,8 +177,13 @@ def find_runs(expdir: str) -> list[dict]:
         if s is not None:
             runs.append(s)
     rank = {v: i for i, v in enumerate(ORDER)}
-    runs.sort(key=lambda r: (rank.get(r["variant"], len(ORDER)), r["variant"],
-                             r["seed"] if r["seed"] is not None else -1))
+    runs.sort(
+        key=lambda r: (
+            rank.get(r["variant"], len(ORDER)),
+            r["variant"],
+            r["seed"] if r["seed"] is not None else -1,
+        )
+    )
     return runs
 
 
@@ -187,6 +207,7 @@ def fmt(v, digits=3, spread=None):
 
     def one(x):
         return f"{x:.{digits}g}" if (abs(x) < 1e-2 and x != 0) else f"{x:.{digits}f}"
+
     return one(v) + (f" ± {one(spread)}" if _finite(spread) else "")
 
 
@@ -228,7 +249,8 @@ def main_table(runs: list[dict]) -> list[str]:
         f"| method | seeds | RL steps | greedy acc. (step 0 → final) | {kname} "
         "| actor greedy acc. | KL(sparse‖dense) final | p5 α, longest bin | p5 α, worst bin "
         "| rollout tok/s | s / RL step | wall time / run |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for v, rs in groups.items():
         seeds = ",".join(str(r["seed"]) for r in rs)
         steps = sorted({r["steps"] for r in rs})
@@ -247,16 +269,19 @@ def main_table(runs: list[dict]) -> list[str]:
             f"| {DESCRIPTIONS.get(v, v)} (`{v}`) | {seeds} | {'/'.join(map(str, steps))} "
             f"| {step0} → {cell(rs, 'greedy_accuracy')} | {cell(rs, 'mean_at_k')} "
             f"| {cell(rs, 'actor_greedy_accuracy')} | {cell(rs, 'kl_exact', 3)} | {a5} | {worst} "
-            f"| {cell(rs, 'rollout_tokens_per_s', 0)} | {cell(rs, 'time_step', 2)} | {wall} |")
+            f"| {cell(rs, 'rollout_tokens_per_s', 0)} | {cell(rs, 'time_step', 2)} | {wall} |"
+        )
     return lines
 
 
 def run_table(runs: list[dict]) -> list[str]:
-    lines = ["| run | done | steps | greedy acc. step 0 / final | mean@k | actor acc. "
-             "| final reward | resp. len. | KL exact first → final | KL bin 0 / longest "
-             "| p5 α bin 0 / longest | TIS clip | MIS masked | tok/s | s/step | wall |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
-             "| --- | --- | --- |"]
+    lines = [
+        "| run | done | steps | greedy acc. step 0 / final | mean@k | actor acc. "
+        "| final reward | resp. len. | KL exact first → final | KL bin 0 / longest "
+        "| p5 α bin 0 / longest | TIS clip | MIS masked | tok/s | s/step | wall |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+        "| --- | --- | --- |",
+    ]
     for r in runs:
         lines.append(
             f"| `{r['name']}` | {'yes' if r['done'] else 'no'} | {r['steps']}/{r['num_steps']} "
@@ -268,7 +293,8 @@ def run_table(runs: list[dict]) -> list[str]:
             f"| {fmt(r['alpha_p5_first_bin'])} / {fmt(r['alpha_p5_longest_bin'])} "
             f"| {fmt(r['tis_clip_frac'])} | {fmt(r['mis_masked_frac'])} "
             f"| {fmt(r['rollout_tokens_per_s'], 0)} | {fmt(r['time_step'], 2)} "
-            f"| {fmt_time(r['wall_s'])} |")
+            f"| {fmt_time(r['wall_s'])} |"
+        )
     return lines
 
 
@@ -284,55 +310,99 @@ def claim_numbers(runs: list[dict]) -> list[str]:
 
     out = []
     if "sparse" in g:
-        out.append(line("- Claim 1, naive sparse is off-policy: final KL(sparse‖dense) {} per token "
-                        "(first steps {}); p5 α {} in bin 0 vs {} in the longest bin; KL {} in "
-                        "bin 0 vs {} in the longest bin.",
-                        m("sparse", "kl_exact"), m("sparse", "kl_exact_first"),
-                        m("sparse", "alpha_p5_first_bin"), m("sparse", "alpha_p5_longest_bin"),
-                        m("sparse", "kl_first_bin"), m("sparse", "kl_longest_bin")))
+        out.append(
+            line(
+                "- Claim 1, naive sparse is off-policy: final KL(sparse‖dense) {} per token "
+                "(first steps {}); p5 α {} in bin 0 vs {} in the longest bin; KL {} in "
+                "bin 0 vs {} in the longest bin.",
+                m("sparse", "kl_exact"),
+                m("sparse", "kl_exact_first"),
+                m("sparse", "alpha_p5_first_bin"),
+                m("sparse", "alpha_p5_longest_bin"),
+                m("sparse", "kl_first_bin"),
+                m("sparse", "kl_longest_bin"),
+            )
+        )
         if "dense" in g:
-            out.append(line("  Training quality: held-out greedy accuracy dense {} vs naive "
-                            "sparse {}; final rollout reward dense {} vs sparse {}.",
-                            m("dense", "greedy_accuracy"), m("sparse", "greedy_accuracy"),
-                            m("dense", "reward_final"), m("sparse", "reward_final")))
+            out.append(
+                line(
+                    "  Training quality: held-out greedy accuracy dense {} vs naive "
+                    "sparse {}; final rollout reward dense {} vs sparse {}.",
+                    m("dense", "greedy_accuracy"),
+                    m("sparse", "greedy_accuracy"),
+                    m("dense", "reward_final"),
+                    m("sparse", "reward_final"),
+                )
+            )
     for v, what in (("sparse_tis", "TIS clip fraction"), ("sparse_mis", "MIS masked fraction")):
         if v in g:
             key = "tis_clip_frac" if v == "sparse_tis" else "mis_masked_frac"
-            out.append(line(f"- Claim 2, `{v}`: greedy accuracy {{}} (naive sparse {{}}, dense {{}}), "
-                            f"final KL {{}}, {what} {{}}.",
-                            m(v, "greedy_accuracy"), m("sparse", "greedy_accuracy"),
-                            m("dense", "greedy_accuracy"), m(v, "kl_exact"), m(v, key)))
+            out.append(
+                line(
+                    f"- Claim 2, `{v}`: greedy accuracy {{}} (naive sparse {{}}, dense {{}}), "
+                    f"final KL {{}}, {what} {{}}.",
+                    m(v, "greedy_accuracy"),
+                    m("sparse", "greedy_accuracy"),
+                    m("dense", "greedy_accuracy"),
+                    m(v, "kl_exact"),
+                    m(v, key),
+                )
+            )
     if "distillsparse" in g:
         ds, sp = m("distillsparse", "kl_exact"), m("sparse", "kl_exact")
         ratio = (sp / ds) if _finite(sp) and _finite(ds) and ds > 0 else None
-        out.append(line("- Claim 3, DistillSparse: final KL {} vs naive sparse {} (ratio sparse / "
-                        "DistillSparse {}); p5 α longest bin {} vs {}; greedy accuracy {} vs "
-                        "dense {}; actor greedy accuracy {}.",
-                        ds, sp, ratio, m("distillsparse", "alpha_p5_longest_bin"),
-                        m("sparse", "alpha_p5_longest_bin"),
-                        m("distillsparse", "greedy_accuracy"), m("dense", "greedy_accuracy"),
-                        m("distillsparse", "actor_greedy_accuracy")))
+        out.append(
+            line(
+                "- Claim 3, DistillSparse: final KL {} vs naive sparse {} (ratio sparse / "
+                "DistillSparse {}); p5 α longest bin {} vs {}; greedy accuracy {} vs "
+                "dense {}; actor greedy accuracy {}.",
+                ds,
+                sp,
+                ratio,
+                m("distillsparse", "alpha_p5_longest_bin"),
+                m("sparse", "alpha_p5_longest_bin"),
+                m("distillsparse", "greedy_accuracy"),
+                m("dense", "greedy_accuracy"),
+                m("distillsparse", "actor_greedy_accuracy"),
+            )
+        )
         td, tds = m("dense", "rollout_tokens_per_s"), m("distillsparse", "rollout_tokens_per_s")
         sd, sds = m("dense", "time_step"), m("distillsparse", "time_step")
-        out.append(line("  Cost: rollout tokens/s {} vs dense {} (ratio {}); s per RL step {} "
-                        "vs dense {} (ratio dense / DistillSparse {}).",
-                        tds, td, tds / td if _finite(td) and _finite(tds) and td else None,
-                        sds, sd, sd / sds if _finite(sd) and _finite(sds) and sds else None))
+        out.append(
+            line(
+                "  Cost: rollout tokens/s {} vs dense {} (ratio {}); s per RL step {} "
+                "vs dense {} (ratio dense / DistillSparse {}).",
+                tds,
+                td,
+                tds / td if _finite(td) and _finite(tds) and td else None,
+                sds,
+                sd,
+                sd / sds if _finite(sd) and _finite(sds) and sds else None,
+            )
+        )
     if "distillsparse_m2n" in g:
-        out.append(line("- Claim 4, oversampling M = 2n: greedy accuracy {} vs DistillSparse {}; final "
-                        "KL {} vs {}; s per RL step {} vs {}.",
-                        m("distillsparse_m2n", "greedy_accuracy"),
-                        m("distillsparse", "greedy_accuracy"),
-                        m("distillsparse_m2n", "kl_exact"), m("distillsparse", "kl_exact"),
-                        m("distillsparse_m2n", "time_step"), m("distillsparse", "time_step")))
+        out.append(
+            line(
+                "- Claim 4, oversampling M = 2n: greedy accuracy {} vs DistillSparse {}; final "
+                "KL {} vs {}; s per RL step {} vs {}.",
+                m("distillsparse_m2n", "greedy_accuracy"),
+                m("distillsparse", "greedy_accuracy"),
+                m("distillsparse_m2n", "kl_exact"),
+                m("distillsparse", "kl_exact"),
+                m("distillsparse_m2n", "time_step"),
+                m("distillsparse", "time_step"),
+            )
+        )
     return out
 
 
 # ------------------------------------------------------------------------------- figures
 def sweep_figure(sweep: dict, path: str) -> str | None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     rows = [r for r in sweep.get("rows", []) if r.get("budget") is not None]
     if not rows:
         return None
@@ -348,12 +418,14 @@ def sweep_figure(sweep: dict, path: str) -> str | None:
     dense = next((r for r in sweep["rows"] if r.get("budget") is None), {})
     axes[2].plot(x, [r.get("reward") for r in rows], "-o", label="sampled reward (sparse)")
     if "greedy_accuracy" in rows[0]:
-        axes[2].plot(x, [r.get("greedy_accuracy") for r in rows], ":o",
-                     label="greedy acc. (sparse)")
+        axes[2].plot(
+            x, [r.get("greedy_accuracy") for r in rows], ":o", label="greedy acc. (sparse)"
+        )
     for key, style in (("reward", "C0"), ("greedy_accuracy", "C1")):
         if _finite(dense.get(key)):
-            axes[2].axhline(dense[key], color=style, linestyle="--", linewidth=1,
-                            label=f"dense {key}")
+            axes[2].axhline(
+                dense[key], color=style, linestyle="--", linewidth=1, label=f"dense {key}"
+            )
     axes[2].set_title("sparse actor quality vs budget")
     for ax in axes:
         ax.set_xlabel("sparse.budget (pages)")
@@ -366,6 +438,7 @@ def sweep_figure(sweep: dict, path: str) -> str | None:
 
 def make_figures(runs: list[dict], fig_dir: str, sweep: dict | None) -> list[str]:
     from dsparse_jax.rl import plots
+
     os.makedirs(fig_dir, exist_ok=True)
     written = []
     first = {}
@@ -373,17 +446,28 @@ def make_figures(runs: list[dict], fig_dir: str, sweep: dict | None) -> list[str
         first.setdefault(r["variant"], r)
     wds = [r["workdir"] for r in first.values()]
     kkeys = tuple(sorted({f"mean_at_{r['k']}" for r in runs if r["k"]}))
-    panels = (("eval", ("greedy_accuracy", "sparse_greedy_accuracy"),
-               "held-out greedy accuracy: dense policy (solid) / actor (dashed)"),
-              ("eval", kkeys, "held-out " + ", ".join(k.replace("_at_", "@") for k in kkeys)),
-              ("rl", ("reward",), "rollout reward (all generated samples)"),
-              ("rl", ("response_length_mean",), "response length"))
-    written.append(plots.plot_curves(wds, os.path.join(fig_dir, "curves.png"),
-                                     panels=panels if kkeys else panels[:1] + panels[2:],
-                                     labels=list(first)))
+    panels = (
+        (
+            "eval",
+            ("greedy_accuracy", "sparse_greedy_accuracy"),
+            "held-out greedy accuracy: dense policy (solid) / actor (dashed)",
+        ),
+        ("eval", kkeys, "held-out " + ", ".join(k.replace("_at_", "@") for k in kkeys)),
+        ("rl", ("reward",), "rollout reward (all generated samples)"),
+        ("rl", ("response_length_mean",), "response length"),
+    )
+    written.append(
+        plots.plot_curves(
+            wds,
+            os.path.join(fig_dir, "curves.png"),
+            panels=panels if kkeys else panels[:1] + panels[2:],
+            labels=list(first),
+        )
+    )
     written += plots.plot_runs(wds, fig_dir)  # reward, mismatch, kl_bins, alpha_bins
-    pair = [first[v]["workdir"] for v in ("sparse", "distillsparse", "distillsparse_m2n")
-            if v in first]
+    pair = [
+        first[v]["workdir"] for v in ("sparse", "distillsparse", "distillsparse_m2n") if v in first
+    ]
     if pair:  # the bins figures: naive sparse vs DistillSparse only, early vs late
         plots.plot_bins(pair, fig_dir)
     groups = group(runs)
@@ -414,12 +498,18 @@ def preserved_conclusions(path: str) -> str:
     i, j = text.find(BEGIN), text.find(END)
     if i < 0 or j < i:
         return PLACEHOLDER
-    inner = text[i + len(BEGIN):j].strip("\n")
+    inner = text[i + len(BEGIN) : j].strip("\n")
     return inner if inner.strip() else PLACEHOLDER
 
 
-def render(expdir: str, runs: list[dict], fig_rel: str, figures: list[str],
-           sweep_md: str | None, conclusions: str) -> str:
+def render(
+    expdir: str,
+    runs: list[dict],
+    fig_rel: str,
+    figures: list[str],
+    sweep_md: str | None,
+    conclusions: str,
+) -> str:
     exp = _read_json(os.path.join(expdir, "experiment.json")) or {}
     sft = _read_json(os.path.join(expdir, "sft_base", "summary.json")) or {}
     sft_meta = _read_json(os.path.join(expdir, "sft_base", "experiment_sft.json")) or {}
@@ -435,8 +525,12 @@ def render(expdir: str, runs: list[dict], fig_rel: str, figures: list[str],
         f"Experiment `{expdir}`, report written {now}. "
         f"Config `{os.path.relpath(exp['config'], ROOT) if exp.get('config') else '?'}`"
         + (" with `--quick`" if exp.get("quick") else "")
-        + (", overrides for every run: " + ", ".join(f"`{k}={v}`" for k, v in over.items())
-           if over else "") + ".",
+        + (
+            ", overrides for every run: " + ", ".join(f"`{k}={v}`" for k, v in over.items())
+            if over
+            else ""
+        )
+        + ".",
         f"Shared SFT warm start (`sft_base`): held-out greedy accuracy "
         f"{fmt(sft.get('sft_greedy_accuracy'))}, {fmt_time(sft_wall or sft.get('wall_time_s'))}. "
         "Command and variants: docs/experiments.md.",
@@ -466,23 +560,24 @@ def render(expdir: str, runs: list[dict], fig_rel: str, figures: list[str],
         "",
         "## Sparsity sweep",
         "",
-        sweep_md.strip() if sweep_md else
-        "_No sweep yet: `python launch/experiment.py sweep --expdir=...`._",
+        sweep_md.strip()
+        if sweep_md
+        else "_No sweep yet: `python launch/experiment.py sweep --expdir=...`._",
         "",
         "## Figures",
         "",
     ]
     captions = {
         "curves.png": "held-out greedy accuracy (dense policy / actor), mean@k, rollout reward "
-                      "and response length vs step, every mode (first seed)",
+        "and response length vs step, every mode (first seed)",
         "reward.png": "reward, response length, held-out accuracy (dense / actor) and rollout "
-                      "accuracy vs step, every mode (first seed)",
+        "accuracy vs step, every mode (first seed)",
         "mismatch.png": "exact and k3 KL(sparse‖dense), acceptance (mean, p5), log-ratio, TIS "
-                        "clip / MIS mask fractions vs step",
+        "clip / MIS mask fractions vs step",
         "kl_bins.png": "KL(sparse‖dense) per completion-position bin, naive sparse vs "
-                       "DistillSparse, first third (dashed) vs last third (solid) of training",
+        "DistillSparse, first third (dashed) vs last third (solid) of training",
         "alpha_bins.png": "5th percentile and mean of acceptance α per position bin, naive "
-                          "sparse vs DistillSparse, early (dashed) vs late (solid)",
+        "sparse vs DistillSparse, early (dashed) vs late (solid)",
         "main_seeds.png": "main comparison, mean ± std over seeds",
         "throughput.png": "rollout tokens/s and time per RL step",
         "sweep.png": "sparsity sweep: mismatch and actor quality vs budget",

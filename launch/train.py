@@ -15,9 +15,9 @@ from ml_collections import config_flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/gemma_math.py",
-                                          "Path to a config file with get_config().",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/gemma_math.py", "Path to a config file with get_config().", lock_config=True
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default runs/<config.name>).")
 
 
@@ -25,6 +25,7 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     from dsparse_jax.train import run  # after flag parsing: imports jax
+
     config = _CONFIG.value
     workdir = _WORKDIR.value or os.path.join("runs", config.name)
     run.main(config, workdir)

@@ -17,41 +17,45 @@ SQUEEZED = pl.Squeezed() if hasattr(pl, "Squeezed") else None
 
 
 def tpu_compiler_params(semantics: tuple[str, ...]):
-  """Mosaic compiler params for a grid with these dimension semantics."""
-  from jax.experimental.pallas import tpu as pltpu
-  return pltpu.CompilerParams(dimension_semantics=semantics)
+    """Mosaic compiler params for a grid with these dimension semantics."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.CompilerParams(dimension_semantics=semantics)
 
 
 def online_softmax_step(s_RxC, ok_RxC, v_CxH, m_scr, l_scr, acc_scr):
-  """One flash-attention step: fold the logits s (rows x keys; masked where not ok) and
-  the values v into the running max m, normaliser l and unnormalised output acc."""
-  s_RxC = jnp.where(ok_RxC, s_RxC, MASK_VALUE)
-  m_prev = m_scr[...]
-  m_new = jnp.maximum(m_prev, s_RxC.max(axis=1, keepdims=True))
-  alpha = jnp.exp(m_prev - m_new)
-  p_RxC = jnp.where(ok_RxC, jnp.exp(s_RxC - m_new), 0.0)
-  l_scr[...] = alpha * l_scr[...] + p_RxC.sum(axis=1, keepdims=True)
-  acc_scr[...] = alpha * acc_scr[...] + jax.lax.dot_general(
-      p_RxC.astype(v_CxH.dtype), v_CxH, (((1,), (0,)), ((), ())),
-      preferred_element_type=jnp.float32)
-  m_scr[...] = m_new
+    """One flash-attention step: fold the logits s (rows x keys; masked where not ok) and
+    the values v into the running max m, normaliser l and unnormalised output acc."""
+    s_RxC = jnp.where(ok_RxC, s_RxC, MASK_VALUE)
+    m_prev = m_scr[...]
+    m_new = jnp.maximum(m_prev, s_RxC.max(axis=1, keepdims=True))
+    alpha = jnp.exp(m_prev - m_new)
+    p_RxC = jnp.where(ok_RxC, jnp.exp(s_RxC - m_new), 0.0)
+    l_scr[...] = alpha * l_scr[...] + p_RxC.sum(axis=1, keepdims=True)
+    acc_scr[...] = alpha * acc_scr[...] + jax.lax.dot_general(
+        p_RxC.astype(v_CxH.dtype),
+        v_CxH,
+        (((1,), (0,)), ((), ())),
+        preferred_element_type=jnp.float32,
+    )
+    m_scr[...] = m_new
 
 
 def sorted_page_slots(page_ids_BxKxP):
-  """Per (sequence, KV head): the selected page ids in increasing order with every
-  NO_PAGE slot moved last and replaced by the last valid id ("fetch ids": a repeated
-  block index is not fetched again), and the number of valid slots.
+    """Per (sequence, KV head): the selected page ids in increasing order with every
+    NO_PAGE slot moved last and replaced by the last valid id ("fetch ids": a repeated
+    block index is not fetched again), and the number of valid slots.
 
-  Returns (fetch_BxKxP int32, n_valid_BxK int32). A row without any valid page gets
-  fetch ids 0 and n_valid 0 (the kernels then compute nothing for it).
-  """
-  ids = page_ids_BxKxP.astype(jnp.int32)
-  valid = ids != NO_PAGE
-  big = jnp.iinfo(jnp.int32).max
-  ids_sorted = jnp.sort(jnp.where(valid, ids, big), axis=-1)
-  n_valid = valid.sum(-1).astype(jnp.int32)
-  last = jnp.take_along_axis(ids_sorted, jnp.maximum(n_valid - 1, 0)[..., None], -1)
-  slot = jnp.arange(ids.shape[-1], dtype=jnp.int32)
-  fetch = jnp.where(slot < n_valid[..., None], ids_sorted, last)
-  fetch = jnp.where(n_valid[..., None] > 0, fetch, 0)
-  return fetch, n_valid
+    Returns (fetch_BxKxP int32, n_valid_BxK int32). A row without any valid page gets
+    fetch ids 0 and n_valid 0 (the kernels then compute nothing for it).
+    """
+    ids = page_ids_BxKxP.astype(jnp.int32)
+    valid = ids != NO_PAGE
+    big = jnp.iinfo(jnp.int32).max
+    ids_sorted = jnp.sort(jnp.where(valid, ids, big), axis=-1)
+    n_valid = valid.sum(-1).astype(jnp.int32)
+    last = jnp.take_along_axis(ids_sorted, jnp.maximum(n_valid - 1, 0)[..., None], -1)
+    slot = jnp.arange(ids.shape[-1], dtype=jnp.int32)
+    fetch = jnp.where(slot < n_valid[..., None], ids_sorted, last)
+    fetch = jnp.where(n_valid[..., None] > 0, fetch, 0)
+    return fetch, n_valid

@@ -28,6 +28,5 @@ def random_params(cfg, seed=0, *, model_cls=Transformer, embed_std=1.0, norm_sca
             v = rng.normal(size=x.shape) / math.sqrt(fan_in)
         return jnp.asarray(v, x.dtype)
 
-    nnx.replace_by_pure_dict(
-        state, jax.tree_util.tree_map_with_path(init, nnx.to_pure_dict(state)))
+    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(init, nnx.to_pure_dict(state)))
     return graphdef, state

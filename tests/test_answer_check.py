@@ -85,14 +85,17 @@ def test_table_is_large_enough():
     assert sum(not e for _, _, e in GRADE_CASES) >= 15
 
 
-@pytest.mark.parametrize("text,want", [
-    ("a \\boxed{\\frac{1}{\\sqrt{2}}} b", "\\frac{1}{\\sqrt{2}}"),
-    ("\\boxed{\\{1,2\\}}", "\\{1,2\\}"),
-    ("\\fbox{7}", "7"),
-    ("\\boxed{a} and \\boxed{b{c}}", "b{c}"),
-    ("\\boxed{a} and \\boxed{b", "a"),  # the last complete box
-    ("no box", None),
-])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("a \\boxed{\\frac{1}{\\sqrt{2}}} b", "\\frac{1}{\\sqrt{2}}"),
+        ("\\boxed{\\{1,2\\}}", "\\{1,2\\}"),
+        ("\\fbox{7}", "7"),
+        ("\\boxed{a} and \\boxed{b{c}}", "b{c}"),
+        ("\\boxed{a} and \\boxed{b", "a"),  # the last complete box
+        ("no box", None),
+    ],
+)
 def test_extract_boxed(text, want):
     assert ac.extract_boxed(text) == want
 
@@ -107,6 +110,7 @@ def test_reference_answer_forms():
 
 def test_parse_number():
     from fractions import Fraction
+
     assert ac.parse_number("1,234.5") == Fraction(2469, 2)
     assert ac.parse_number("-\\frac{3}{4}") == Fraction(-3, 4)
     assert ac.parse_number("\\frac34") == Fraction(3, 4)
@@ -121,11 +125,28 @@ def test_fallback_last_number_is_opt_in():
     assert ac.extract_answer("it is 41 or 42", fallback_last_number=True) == "42"
 
 
-@pytest.mark.parametrize("junk", [
-    "", "}}}{{{", "\\boxed{", "\\frac{", "\\frac{1}{0}", "\\sqrt[", "((((((", "#### ",
-    "\\boxed{__import__('os').system('echo hi')}", "\x00\xff\u2603", "1/0", "0/0",
-    "\\boxed{" * 500 + "1" + "}" * 500, "9" * 5000, "\\left(\\right)", "|x|", "$$$$",
-])
+@pytest.mark.parametrize(
+    "junk",
+    [
+        "",
+        "}}}{{{",
+        "\\boxed{",
+        "\\frac{",
+        "\\frac{1}{0}",
+        "\\sqrt[",
+        "((((((",
+        "#### ",
+        "\\boxed{__import__('os').system('echo hi')}",
+        "\x00\xff\u2603",
+        "1/0",
+        "0/0",
+        "\\boxed{" * 500 + "1" + "}" * 500,
+        "9" * 5000,
+        "\\left(\\right)",
+        "|x|",
+        "$$$$",
+    ],
+)
 def test_never_raises(junk):
     for ref in ("5", junk, "\\frac{1}{2}", "x^2"):
         assert isinstance(ac.grade(junk, ref), bool)

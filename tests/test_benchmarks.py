@@ -13,45 +13,64 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _load_bench():
-  spec = importlib.util.spec_from_file_location(
-      "_bench_rollout", os.path.join(ROOT, "launch", "bench_rollout.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+    spec = importlib.util.spec_from_file_location(
+        "_bench_rollout", os.path.join(ROOT, "launch", "bench_rollout.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.mark.slow  # ~10 sampler / step / forward compiles of the tiny preset
 def test_bench_rollout_reports_every_part(tmp_path, capsys):
-  bench = _load_bench()
-  out = tmp_path / "bench.json"
-  bench.main(["--batch=2", "--prompt_len=8", "--gen_lens=32", "--grow_from=0,16",
-              "--configs=dense,distillsparse:0", "--budget=3", "--warmup=aot",
-              "--step_contexts=64", "--step_rounds=1", "--step_reps=2",
-              "--twin_lens=64", "--twin_batch=1", "--twin_reps=1", f"--out={out}"])
-  printed = json.loads(capsys.readouterr().out)
-  d = json.loads(out.read_text())
-  assert d == printed and not os.path.exists(f"{out}.partial")
+    bench = _load_bench()
+    out = tmp_path / "bench.json"
+    bench.main(
+        [
+            "--batch=2",
+            "--prompt_len=8",
+            "--gen_lens=32",
+            "--grow_from=0,16",
+            "--configs=dense,distillsparse:0",
+            "--budget=3",
+            "--warmup=aot",
+            "--step_contexts=64",
+            "--step_rounds=1",
+            "--step_reps=2",
+            "--twin_lens=64",
+            "--twin_batch=1",
+            "--twin_reps=1",
+            f"--out={out}",
+        ]
+    )
+    printed = json.loads(capsys.readouterr().out)
+    d = json.loads(out.read_text())
+    assert d == printed and not os.path.exists(f"{out}.partial")
 
-  rows = {(r["config"], r["grow_buffer_from"]): r for r in d["throughput"]}
-  assert set(rows) == {("dense", 0), ("distillsparse:0", 0), ("dense", 16),
-                       ("distillsparse:0", 16)}
-  for r in rows.values():
-    assert r["completion_len_min"] == r["completion_len_max"] == 32  # EOS never sampled
-    assert r["tokens_per_s"] > 0 and r["compile_s"] > 0
-  assert rows[("dense", 0)]["cache_buffers"] == [48]  # 8 + 32 rounded to pages of 16
-  assert rows[("dense", 16)]["cache_buffers"] == [32, 48]
-  assert "over_fixed_buffer" in rows[("dense", 16)]
-  assert "sparse_over_dense" in rows[("distillsparse:0", 16)]
+    rows = {(r["config"], r["grow_buffer_from"]): r for r in d["throughput"]}
+    assert set(rows) == {
+        ("dense", 0),
+        ("distillsparse:0", 0),
+        ("dense", 16),
+        ("distillsparse:0", 16),
+    }
+    for r in rows.values():
+        assert r["completion_len_min"] == r["completion_len_max"] == 32  # EOS never sampled
+        assert r["tokens_per_s"] > 0 and r["compile_s"] > 0
+    assert rows[("dense", 0)]["cache_buffers"] == [48]  # 8 + 32 rounded to pages of 16
+    assert rows[("dense", 16)]["cache_buffers"] == [32, 48]
+    assert "over_fixed_buffer" in rows[("dense", 16)]
+    assert "sparse_over_dense" in rows[("distillsparse:0", 16)]
 
-  steps = {(r["context"], r["config"]) for r in d["step"]}
-  # every config at each context, plus the dense references at the budget and the floor
-  assert steps == {(64, "dense"), (64, "distillsparse:0"), (48, "dense"), (16, "dense")}
-  ratio, = d["step_ratios"]
-  assert ratio["config"] == "distillsparse:0" and ratio["decode_speedup_vs_dense"] > 0
-  assert "over_dense_at_budget" in ratio and d["step_floor_ms"] > 0
-  assert d["targets"]["sparse_step_at_64_le_1.5x_dense_step_at_48"] != "not measured"
+    steps = {(r["context"], r["config"]) for r in d["step"]}
+    # every config at each context, plus the dense references at the budget and the floor
+    assert steps == {(64, "dense"), (64, "distillsparse:0"), (48, "dense"), (16, "dense")}
+    (ratio,) = d["step_ratios"]
+    assert ratio["config"] == "distillsparse:0" and ratio["decode_speedup_vs_dense"] > 0
+    assert "over_dense_at_budget" in ratio and d["step_floor_ms"] > 0
+    assert d["targets"]["sparse_step_at_64_le_1.5x_dense_step_at_48"] != "not measured"
 
-  twin = {r["config"]: r for r in d["twin"]}
-  assert set(twin) == {"dense", "distillsparse:0"}
-  assert twin["distillsparse:0"]["twin_over_dense"] > 0
-  assert all(r["temp_bytes"] > 0 for r in twin.values())
+    twin = {r["config"]: r for r in d["twin"]}
+    assert set(twin) == {"dense", "distillsparse:0"}
+    assert twin["distillsparse:0"]["twin_over_dense"] > 0
+    assert all(r["temp_bytes"] > 0 for r in twin.values())

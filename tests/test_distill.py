@@ -42,14 +42,25 @@ def setup():
     prompts = np.where(np.arange(8) < lengths[:, None], rng.integers(2, VOCAB, (4, 8)), 0)
     scfg = SamplingConfig(max_new_tokens=24, eos_id=1, pad_id=0, temperature=1.0)
     lora = init_lora(cfg, LCFG, jax.random.key(0))
-    rollout = Sampler(graphdef)(params, prompts, lengths, jax.random.key(1), scfg, SPARSE,
-                                lora, LCFG.scale)
+    rollout = Sampler(graphdef)(
+        params, prompts, lengths, jax.random.key(1), scfg, SPARSE, lora, LCFG.scale
+    )
     return cfg, graphdef, params, rollout
 
 
 def recompute(graphdef, params, lora, r):
-    return distill.recompute(params, lora, r.tokens, r.prompt_lengths, r.completion_mask,
-                             r.pages(), r.logprobs, graphdef=graphdef, twin_spec=SPARSE, **REC)
+    return distill.recompute(
+        params,
+        lora,
+        r.tokens,
+        r.prompt_lengths,
+        r.completion_mask,
+        r.pages(),
+        r.logprobs,
+        graphdef=graphdef,
+        twin_spec=SPARSE,
+        **REC,
+    )
 
 
 def leaves(tree):
@@ -59,8 +70,7 @@ def leaves(tree):
 PHI_CASES = {  # name: (DistillSettings overrides, metric that must fall strictly)
     "ppo+kl_k3": (dict(), None),
     "kl_only_k3": (dict(loss="kl_only", kl="k3", kl_coef=1.0), "kl_k3"),
-    "kl_only_exact_reverse": (dict(loss="kl_only", kl="exact_reverse", kl_coef=1.0),
-                              "kl_exact"),
+    "kl_only_exact_reverse": (dict(loss="kl_only", kl="exact_reverse", kl_coef=1.0), "kl_exact"),
 }
 
 
@@ -70,20 +80,32 @@ def test_phi_steps_move_only_phi_and_lower_kl(case):
     cfg, graphdef, params, r = setup()
     overrides, falling = PHI_CASES[case]
     settings = distill.DistillSettings(spec=SPARSE, lora_scale=LCFG.scale, **overrides)
-    tx = steps.make_optimizer(3e-3, warmup_steps=0, total_steps=10, weight_decay=0.0,
-                              max_grad_norm=1.0, schedule="constant")
+    tx = steps.make_optimizer(
+        3e-3,
+        warmup_steps=0,
+        total_steps=10,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        schedule="constant",
+    )
     lora = init_lora(cfg, LCFG, jax.random.key(0))
     opt = tx.init(lora)
     rec0 = recompute(graphdef, params, lora, r)
-    mb = {"tokens": r.tokens, "mask": r.completion_mask, "rollout_logp": r.logprobs,
-          "adv": jnp.array([1.0, -1.0, 0.5, -0.5]), "pages": r.pages(),
-          "teacher_logp": rec0["dense_logp"]}
+    mb = {
+        "tokens": r.tokens,
+        "mask": r.completion_mask,
+        "rollout_logp": r.logprobs,
+        "adv": jnp.array([1.0, -1.0, 0.5, -0.5]),
+        "pages": r.pages(),
+        "teacher_logp": rec0["dense_logp"],
+    }
     teacher = params if settings.exact else None
     theta_before, lora_before = leaves(params), leaves(lora)
     history = [float(rec0["metrics"][falling])] if falling else []
     for _ in range(4 if falling else 1):
-        lora, opt, m = distill.phi_update(lora, opt, mb, params, teacher, graphdef=graphdef,
-                                          tx=tx, settings=settings)
+        lora, opt, m = distill.phi_update(
+            lora, opt, mb, params, teacher, graphdef=graphdef, tx=tx, settings=settings
+        )
         assert float(m["skipped"]) == 0 and float(m["grad_norm"]) > 0
         if falling:
             history.append(float(recompute(graphdef, params, lora, r)["metrics"][falling]))
@@ -114,9 +136,19 @@ def test_dense_recompute_ignores_phi_and_twin_reproduces_rollout():
     assert np.abs(np.asarray(a["dense_logp"] - a["twin_logp"])[mask]).max() > 1e-2
     # Chunked recompute (rows in 2 groups, as when the update uses 2 microbatches) gives
     # the same token log-probs and metrics (f32, 1e-5: only the matmul grouping differs).
-    c = distill.recompute(params, lora0, r.tokens, r.prompt_lengths, r.completion_mask,
-                          r.pages(), r.logprobs, graphdef=graphdef, twin_spec=SPARSE,
-                          chunks=2, **REC)
+    c = distill.recompute(
+        params,
+        lora0,
+        r.tokens,
+        r.prompt_lengths,
+        r.completion_mask,
+        r.pages(),
+        r.logprobs,
+        graphdef=graphdef,
+        twin_spec=SPARSE,
+        chunks=2,
+        **REC,
+    )
     for k in ("dense_logp", "twin_logp", "dense_entropy"):
         np.testing.assert_allclose(np.asarray(c[k]), np.asarray(a[k]), atol=1e-5)
     for k, v in distill.flatten_metrics(jax.device_get(a["metrics"])).items():
@@ -127,10 +159,14 @@ def test_dense_recompute_ignores_phi_and_twin_reproduces_rollout():
 def _rollout(tokens, mask, logprobs, prompt_lengths=None, page_ids=None):
     b, s = tokens.shape
     pl = np.zeros(b, np.int32) if prompt_lengths is None else prompt_lengths
-    return Rollout(tokens=jnp.asarray(tokens, jnp.int32), prompt_lengths=jnp.asarray(pl),
-                   completion_lengths=jnp.asarray(mask.sum(1).astype(np.int32)),
-                   completion_mask=jnp.asarray(mask, jnp.float32),
-                   logprobs=jnp.asarray(logprobs, jnp.float32), page_ids=page_ids or {})
+    return Rollout(
+        tokens=jnp.asarray(tokens, jnp.int32),
+        prompt_lengths=jnp.asarray(pl),
+        completion_lengths=jnp.asarray(mask.sum(1).astype(np.int32)),
+        completion_mask=jnp.asarray(mask, jnp.float32),
+        logprobs=jnp.asarray(logprobs, jnp.float32),
+        page_ids=page_ids or {},
+    )
 
 
 def test_theta_batch_tis_mis_hand_values():
@@ -140,8 +176,9 @@ def test_theta_batch_tis_mis_hand_values():
     old = jnp.asarray(np.log(rho) + mu, jnp.float32)
     kept = _rollout(np.ones(rho.shape), mask, mu)
     adv = jnp.array([1.0, -1.0])
-    c = ml_collections.ConfigDict(dict(is_correction="none", tis_cap=2.0, mis_lo=0.5,
-                                       mis_hi=2.0, mis_level="token"))
+    c = ml_collections.ConfigDict(
+        dict(is_correction="none", tis_cap=2.0, mis_lo=0.5, mis_hi=2.0, mis_level="token")
+    )
     batch, m = rl_loop.theta_batch("sparse", kept, adv, old, None, c)
     assert "is_weights" not in batch and "pages" not in batch
     np.testing.assert_array_equal(batch["mask"], mask)
@@ -163,8 +200,7 @@ def test_theta_batch_tis_mis_hand_values():
     # row 1 (.4*.6*1*1*9)^(1/5) = 1.167 (out of [0.5, 1.15]).
     c.mis_level, c.mis_hi = "sequence", 1.15
     batch, _ = rl_loop.theta_batch("sparse", kept, adv, old, None, c)
-    np.testing.assert_array_equal(batch["mask"], np.array([[1, 1, 1, 1, 0], [0] * 5],
-                                                          np.float32))
+    np.testing.assert_array_equal(batch["mask"], np.array([[1, 1, 1, 1, 0], [0] * 5], np.float32))
 
     # sparse_train: the sparse twin is pi_old and the pages ride along.
     ids = {1: jnp.zeros((2, 5, 1, 3), jnp.int32)}
@@ -184,21 +220,19 @@ def test_filter_keeps_top_n_and_advantages_use_only_kept():
     assert rows.tolist() == [1, 2, 4, 7, 10, 8] or rows.tolist() == [1, 2, 4, 7, 10, 9]
     rows_b, _ = rl_loop.select_rows(rewards, 2, 4, jax.random.key(0))
     np.testing.assert_array_equal(rows, rows_b)  # deterministic given the key
-    ties = {tuple(rl_loop.select_rows(rewards, 2, 4, jax.random.key(k))[0][4:])
-            for k in range(12)}
+    ties = {tuple(rl_loop.select_rows(rewards, 2, 4, jax.random.key(k))[0][4:]) for k in range(12)}
     assert ties == {(10, 8), (10, 9)}  # the 0.3 tie broken both ways
     np.testing.assert_array_equal(rl_loop.select_rows(rewards, 4, 4, None)[0], np.arange(12))
 
     adv = np.asarray(grpo_advantages(jnp.asarray(rewards[rows]), 2))
     # Group (1.0, 0.5): +-1/sqrt(2) (unbiased std); dropped rows never enter a group.
-    np.testing.assert_allclose(adv[:2], [2 ** -0.5, -(2 ** -0.5)], atol=1e-5)
-    np.testing.assert_allclose(adv[2:4], [2 ** -0.5, -(2 ** -0.5)], atol=1e-5)
+    np.testing.assert_allclose(adv[:2], [2**-0.5, -(2**-0.5)], atol=1e-5)
+    np.testing.assert_allclose(adv[2:4], [2**-0.5, -(2**-0.5)], atol=1e-5)
 
     # Gathering a rollout keeps page ids with their rows.
     b, s = 12, 4
     ids = {1: jnp.asarray(np.arange(b)[:, None, None, None] * np.ones((1, s, 1, 2)), jnp.int32)}
-    r = _rollout(np.arange(b * s).reshape(b, s), np.ones((b, s)), np.zeros((b, s)),
-                 page_ids=ids)
+    r = _rollout(np.arange(b * s).reshape(b, s), np.ones((b, s)), np.zeros((b, s)), page_ids=ids)
     kept = rl_loop._gather_rows(r, rows)
     np.testing.assert_array_equal(np.asarray(kept.page_ids[1])[:, 0, 0, 0], rows)
     np.testing.assert_array_equal(np.asarray(kept.tokens)[:, 0], rows * s)
@@ -216,11 +250,16 @@ def test_mismatch_metrics_against_numpy():
     ld, lt = lsm(dense), lsm(twin)
     pick = lambda l: np.take_along_axis(l, tok[..., None], -1)[..., 0]
     metrics_fn = lambda d, t, *a: distill.mismatch_metrics(
-        distill.token_mismatch(d, t), *a, bin_width=2, num_bins=2)
+        distill.token_mismatch(d, t), *a, bin_width=2, num_bins=2
+    )
     got = jax.jit(metrics_fn)(
-        jnp.asarray(dense), jnp.asarray(twin), jnp.asarray(pick(ld)), jnp.asarray(pick(lt)),
-        jnp.asarray(mask), distill.completion_positions(jnp.zeros((b, s)),
-                                                        jnp.asarray(prompt_lengths)))
+        jnp.asarray(dense),
+        jnp.asarray(twin),
+        jnp.asarray(pick(ld)),
+        jnp.asarray(pick(lt)),
+        jnp.asarray(mask),
+        distill.completion_positions(jnp.zeros((b, s)), jnp.asarray(prompt_lengths)),
+    )
     got = distill.flatten_metrics(jax.device_get(got))
     on = mask > 0
     alpha = np.minimum(np.exp(ld), np.exp(lt)).sum(-1)
@@ -248,6 +287,7 @@ def test_plots_from_metrics_jsonl(tmp_path):
     import json as _json
 
     from dsparse_jax.rl import plots
+
     runs = []
     for label, kl in (("dense", 0.0), ("distillsparse", 0.05)):
         wd = tmp_path / label
@@ -255,21 +295,41 @@ def test_plots_from_metrics_jsonl(tmp_path):
         (wd / "config.json").write_text(_json.dumps({"metrics": {"position_bin": 8}}))
         with open(wd / "metrics.jsonl", "w") as f:
             for step in range(1, 7):
-                rec = {"phase": "rl", "step": step, "reward": 0.1 * step, "kl_k3": kl,
-                       "response_length_mean": 20.0, "accuracy": 0.1}
+                rec = {
+                    "phase": "rl",
+                    "step": step,
+                    "reward": 0.1 * step,
+                    "kl_k3": kl,
+                    "response_length_mean": 20.0,
+                    "accuracy": 0.1,
+                }
                 if kl:
-                    rec.update({"kl_exact": kl / step, "alpha_mean": 0.9, "alpha_p5": 0.7,
-                                "kl_exact_bin0": kl, "kl_exact_bin1": 2 * kl,
-                                "alpha_p5_bin0": 0.8, "alpha_p5_bin1": float("nan"),
-                                "alpha_mean_bin0": 0.9, "alpha_mean_bin1": 0.85})
+                    rec.update(
+                        {
+                            "kl_exact": kl / step,
+                            "alpha_mean": 0.9,
+                            "alpha_p5": 0.7,
+                            "kl_exact_bin0": kl,
+                            "kl_exact_bin1": 2 * kl,
+                            "alpha_p5_bin0": 0.8,
+                            "alpha_p5_bin1": float("nan"),
+                            "alpha_mean_bin0": 0.9,
+                            "alpha_mean_bin1": 0.85,
+                        }
+                    )
                 f.write(_json.dumps(rec) + "\n")
             f.write(_json.dumps({"phase": "eval", "step": 6, "greedy_accuracy": 0.5}) + "\n")
         runs.append(str(wd))
     assert plots.bin_profile(plots.load_run(runs[1])["rl"], "kl_exact") == pytest.approx(
-        [0.05, 0.1])
+        [0.05, 0.1]
+    )
     paths = plots.plot_runs(runs, str(tmp_path / "fig"))
     assert sorted(os.path.basename(p) for p in paths) == [
-        "alpha_bins.png", "kl_bins.png", "mismatch.png", "reward.png"]
+        "alpha_bins.png",
+        "kl_bins.png",
+        "mismatch.png",
+        "reward.png",
+    ]
     for p in paths:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"

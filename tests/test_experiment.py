@@ -11,17 +11,34 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["model.d_model=32", "model.num_layers=2", "model.mlp_dim=64", "task.num_vars=4",
-        "task.num_terms=2", "sft.max_steps=2", "sft.batch_size=4", "sft.eval_every=2",
-        "eval.num_problems=4", "eval.every=1", "eval.mean_at_k=2", "rl.prompts_per_step=2",
-        "rl.samples_per_prompt=2", "rl.minibatches=2", "checkpoint.every=1",
-        "log.tensorboard=false", "attention.page_size=8", "sparse.budget=3",
-        "sparse.dense_layers=1", "lora.rank=2"]
+TINY = [
+    "model.d_model=32",
+    "model.num_layers=2",
+    "model.mlp_dim=64",
+    "task.num_vars=4",
+    "task.num_terms=2",
+    "sft.max_steps=2",
+    "sft.batch_size=4",
+    "sft.eval_every=2",
+    "eval.num_problems=4",
+    "eval.every=1",
+    "eval.mean_at_k=2",
+    "rl.prompts_per_step=2",
+    "rl.samples_per_prompt=2",
+    "rl.minibatches=2",
+    "checkpoint.every=1",
+    "log.tensorboard=false",
+    "attention.page_size=8",
+    "sparse.budget=3",
+    "sparse.dense_layers=1",
+    "lora.rank=2",
+]
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(f"_{name}",
-                                                  os.path.join(ROOT, "launch", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(
+        f"_{name}", os.path.join(ROOT, "launch", f"{name}.py")
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -41,15 +58,22 @@ def _steps(workdir, phase):
 def test_plan_variants_and_overrides():
     ex = _load("experiment")
     assert ex.resolve_variants("dense,sparse+tis,distillsparse+M=2n", False) == [
-        "dense", "sparse_tis", "distillsparse_m2n"]
+        "dense",
+        "sparse_tis",
+        "distillsparse_m2n",
+    ]
     assert ex.resolve_variants(None, True) == list(ex.MAIN)
     assert ex.resolve_variants(None, False) == list(ex.VARIANTS)
     with pytest.raises(SystemExit):
         ex.resolve_variants("nope", False)
     # every variant at the first seed, then the main comparison's other seeds
     assert ex.plan_runs(["dense", "sparse_tis", "distillsparse"], [0, 1]) == [
-        ("dense", 0), ("sparse_tis", 0), ("distillsparse", 0), ("dense", 1),
-        ("distillsparse", 1)]
+        ("dense", 0),
+        ("sparse_tis", 0),
+        ("distillsparse", 0),
+        ("dense", 1),
+        ("distillsparse", 1),
+    ]
     cfg = os.path.join(ROOT, "configs", "gemma_math.py")
     over = ex.run_overrides(cfg, {"rl.samples_per_prompt": 4}, "distillsparse_m2n", 3)
     assert over["rl.samples_generated"] == 8 and over["seed"] == 3
@@ -59,6 +83,7 @@ def test_plan_variants_and_overrides():
 
     class A:
         quick, set, steps = True, ["rl.learning_rate=1e-4"], 5
+
     common = ex.common_overrides(A)
     assert common["rl.num_steps"] == 5 and common["rl.learning_rate"] == "1e-4"
     assert common["sparse.budget"] == ex.QUICK["sparse.budget"]
@@ -72,8 +97,14 @@ def test_plan_variants_and_overrides():
 def test_tiny_experiment_resumes_and_reports(tmp_path):
     exp = str(tmp_path / "exp")
     sets = [a for s in TINY for a in ("--set", s)]
-    args = ["run", f"--expdir={exp}", "--seeds=0", "--steps=2",
-            "--variants=dense,distillsparse", *sets]
+    args = [
+        "run",
+        f"--expdir={exp}",
+        "--seeds=0",
+        "--steps=2",
+        "--variants=dense,distillsparse",
+        *sets,
+    ]
     first = _experiment(*args)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert os.path.exists(os.path.join(exp, "sft_base", "sft", "DONE.json"))
@@ -110,8 +141,9 @@ def test_tiny_experiment_resumes_and_reports(tmp_path):
     assert bad.returncode != 0 and "other settings" in bad.stdout + bad.stderr
 
     # Sparsity sweep on the shared warm start (reused, not retrained): one budget.
-    sweep = _experiment("sweep", f"--expdir={exp}", *sets, "--budgets=3", "--batches=1",
-                        "--no_greedy")
+    sweep = _experiment(
+        "sweep", f"--expdir={exp}", *sets, "--budgets=3", "--batches=1", "--no_greedy"
+    )
     assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
     with open(os.path.join(exp, "sweep", "sweep.json")) as f:
         rows = json.load(f)["rows"]
@@ -130,8 +162,16 @@ def test_tiny_experiment_resumes_and_reports(tmp_path):
     row = next(l for l in table if "(`distillsparse`)" in l).split("|")
     assert row[7].strip() != "-"  # final KL(sparse || dense) of the sparse actor
     assert "| 3 |" in text  # the sweep's row
-    for png in ("curves.png", "reward.png", "mismatch.png", "kl_bins.png", "alpha_bins.png",
-                "main_seeds.png", "throughput.png", "sweep.png"):
+    for png in (
+        "curves.png",
+        "reward.png",
+        "mismatch.png",
+        "kl_bins.png",
+        "alpha_bins.png",
+        "main_seeds.png",
+        "throughput.png",
+        "sweep.png",
+    ):
         assert os.path.getsize(os.path.join(tmp_path, "docs", "results", png)) > 0
         assert f"results/{png}" in text
     edited = text.replace(results.PLACEHOLDER, "Claim 1 held: KL 0.1.")

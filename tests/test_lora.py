@@ -22,10 +22,15 @@ VOCAB = 16
 
 
 def model_cfg():
-    return C.tiny(vocab_size=VOCAB).replace(d_model=32, head_dim=8, mlp_dim=48, num_layers=2,
-                                            num_heads=4, num_kv_heads=2, sliding_window=8)
-
-
+    return C.tiny(vocab_size=VOCAB).replace(
+        d_model=32,
+        head_dim=8,
+        mlp_dim=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        sliding_window=8,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "lora_scale"))
@@ -43,9 +48,15 @@ def test_init_shapes_targets_and_config():
     tree = init_lora(cfg, lcfg, jax.random.key(0))
     assert sorted(tree) == [0, 1]
     d, n, k, h, f = 32, 4, 2, 8, 48
-    want = {"q": ((d, 3), (3, n, h)), "k": ((d, 3), (3, k, h)), "v": ((d, 3), (3, k, h)),
-            "o": ((n, h, 3), (3, d)), "gate": ((d, 3), (3, f)), "up": ((d, 3), (3, f)),
-            "down": ((f, 3), (3, d))}
+    want = {
+        "q": ((d, 3), (3, n, h)),
+        "k": ((d, 3), (3, k, h)),
+        "v": ((d, 3), (3, k, h)),
+        "o": ((n, h, 3), (3, d)),
+        "gate": ((d, 3), (3, f)),
+        "up": ((d, 3), (3, f)),
+        "down": ((f, 3), (3, d)),
+    }
     for layer in tree.values():
         assert set(layer) == set(LINEAR_NAMES)
         for name, (a_shape, b_shape) in want.items():
@@ -53,15 +64,16 @@ def test_init_shapes_targets_and_config():
             assert a.shape == a_shape and b.shape == b_shape, name
             assert not b.any()  # B = 0
             fan_in = math.prod(a_shape[:-1])
-            assert np.abs(a).max() <= fan_in ** -0.5 and a.std() > 0.3 * fan_in ** -0.5
+            assert np.abs(a).max() <= fan_in**-0.5 and a.std() > 0.3 * fan_in**-0.5
     assert num_params(tree) == 2 * sum(math.prod(a) + math.prod(b) for a, b in want.values())
     # Deterministic per key, different across keys.
     again = init_lora(cfg, lcfg, jax.random.key(0))
     other = init_lora(cfg, lcfg, jax.random.key(1))
     np.testing.assert_array_equal(again[1]["o"]["a"], tree[1]["o"]["a"])
     assert not np.allclose(other[1]["o"]["a"], tree[1]["o"]["a"])
-    sub = init_lora(cfg, LoRAConfig(rank=2, targets=parse_targets("attn"), layers=(1,)),
-                    jax.random.key(0))
+    sub = init_lora(
+        cfg, LoRAConfig(rank=2, targets=parse_targets("attn"), layers=(1,)), jax.random.key(0)
+    )
     assert list(sub) == [1] and set(sub[1]) == {"q", "k", "v", "o"}
     assert parse_targets("q, v,mlp") == ("q", "v", "gate", "up", "down")
     assert parse_targets("all") == LINEAR_NAMES
@@ -91,8 +103,10 @@ def test_adapter_equals_merged_weights_for_every_target():
     graphdef, params = random_params(cfg, seed=2)
     lcfg = LoRAConfig(rank=4, alpha=8.0)
     rng = np.random.default_rng(3)
-    lora = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.2, x.dtype),
-                        init_lora(cfg, lcfg, jax.random.key(0)))
+    lora = jax.tree.map(
+        lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.2, x.dtype),
+        init_lora(cfg, lcfg, jax.random.key(0)),
+    )
     got = logp(params, TOKENS, lora, graphdef=graphdef, lora_scale=lcfg.scale)
 
     pure = nnx.to_pure_dict(params)
@@ -113,14 +127,17 @@ def test_adapter_equals_merged_weights_for_every_target():
 
 def _random_lora(cfg, lcfg, seed):
     rng = np.random.default_rng(seed)
-    return jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.2, x.dtype),
-                        init_lora(cfg, lcfg, jax.random.key(0)))
+    return jax.tree.map(
+        lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.2, x.dtype),
+        init_lora(cfg, lcfg, jax.random.key(0)),
+    )
 
 
 def test_sampler_merges_adapter_once_and_matches_teacher_forced():
     """The sampler folds phi into the weights before decoding (f32); its log-probs equal
     the teacher-forced forward with the adapter applied inside the linear maps (1e-4)."""
     from dsparse_jax.sampling.sampler import Sampler, SamplingConfig
+
     cfg = model_cfg()
     graphdef, params = random_params(cfg, seed=4)
     lcfg = LoRAConfig(rank=4, alpha=8.0)
@@ -128,8 +145,15 @@ def test_sampler_merges_adapter_once_and_matches_teacher_forced():
     prompts = jnp.asarray(np.random.default_rng(6).integers(1, VOCAB, (2, 5)), jnp.int32)
     scfg = SamplingConfig(max_new_tokens=10, eos_id=-1, pad_id=0, temperature=1.0)
     sampler = Sampler(graphdef)
-    r = sampler(params, prompts, jnp.array([5, 3]), jax.random.key(7), scfg, lora=lora,
-                lora_scale=lcfg.scale)
+    r = sampler(
+        params,
+        prompts,
+        jnp.array([5, 3]),
+        jax.random.key(7),
+        scfg,
+        lora=lora,
+        lora_scale=lcfg.scale,
+    )
     tf = logp(params, r.tokens, lora, graphdef=graphdef, lora_scale=lcfg.scale)
     on = np.asarray(r.completion_mask) > 0
     assert np.abs(np.asarray(r.logprobs) - np.asarray(tf))[on].max() < 1e-4

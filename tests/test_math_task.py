@@ -1,4 +1,5 @@
 """Variable-chain task: determinism, splits, correctness, lengths, tokens, rewards."""
+
 import re
 
 import numpy as np
@@ -12,8 +13,7 @@ CFG = mt.ChainTaskConfig()
 
 def solve(prompt: str, modulus: int) -> tuple[list[str], str]:
     """Independent solver: parses the prompt text, returns (solution lines, answer)."""
-    m = re.fullmatch(r"vars: ((?:[a-z][0-9]*[0-9] ?)+)\nsum: ((?:[+-][a-z][0-9]* ?)+)\n",
-                     prompt)
+    m = re.fullmatch(r"vars: ((?:[a-z][0-9]*[0-9] ?)+)\nsum: ((?:[+-][a-z][0-9]* ?)+)\n", prompt)
     assert m, prompt
     values = {}
     for d in m.group(1).split(" "):
@@ -47,13 +47,16 @@ def test_splits_disjoint():
         mt.make_problem(CFG, "test", 0, seed=0)
 
 
-@pytest.mark.parametrize("cfg", [
-    CFG,
-    mt.ChainTaskConfig(num_vars=5, num_terms=5, modulus=7),
-    mt.ChainTaskConfig(num_vars=260, num_terms=200, modulus=100),
-    mt.ChainTaskConfig(num_vars=40, num_terms=30, min_terms=3, name_digits=2),
-    mt.ChainTaskConfig(num_vars=26, num_terms=10, name_digits=0),
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        CFG,
+        mt.ChainTaskConfig(num_vars=5, num_terms=5, modulus=7),
+        mt.ChainTaskConfig(num_vars=260, num_terms=200, modulus=100),
+        mt.ChainTaskConfig(num_vars=40, num_terms=30, min_terms=3, name_digits=2),
+        mt.ChainTaskConfig(num_vars=26, num_terms=10, name_digits=0),
+    ],
+)
 def test_solution_is_correct(cfg):
     for p in mt.problems(cfg, "eval", 0, 30, seed=1):
         lines, answer = solve(p.prompt, cfg.modulus)
@@ -83,9 +86,14 @@ def test_length_bounds_exact_and_linear():
 
 
 def test_config_validation():
-    for kwargs, field in [({"num_vars": 0}, "num_vars"), ({"num_vars": 261}, "num_vars"),
-                          ({"num_terms": 25}, "num_terms"), ({"modulus": 1}, "modulus"),
-                          ({"min_terms": 13}, "min_terms"), ({"name_digits": 5}, "name_digits")]:
+    for kwargs, field in [
+        ({"num_vars": 0}, "num_vars"),
+        ({"num_vars": 261}, "num_vars"),
+        ({"num_terms": 25}, "num_terms"),
+        ({"modulus": 1}, "modulus"),
+        ({"min_terms": 13}, "min_terms"),
+        ({"name_digits": 5}, "name_digits"),
+    ]:
         with pytest.raises(ValueError, match=field):
             mt.ChainTaskConfig(**kwargs)
     mt.ChainTaskConfig(num_vars=2600, num_terms=2600, name_digits=2)  # allowed
@@ -101,8 +109,11 @@ def test_tokenizer_covers_everything():
     # The vocabulary does not depend on the config or seed.
     other = mt.build_tokenizer(mt.ChainTaskConfig(num_vars=60, num_terms=50, modulus=97), 9)
     assert other.to_bytes() == tok.to_bytes()
-    cfgs = [CFG, mt.ChainTaskConfig(num_vars=260, num_terms=100, modulus=1000),
-            mt.ChainTaskConfig(num_vars=50, num_terms=20, name_digits=3)]
+    cfgs = [
+        CFG,
+        mt.ChainTaskConfig(num_vars=260, num_terms=100, modulus=1000),
+        mt.ChainTaskConfig(num_vars=50, num_terms=20, name_digits=3),
+    ]
     for cfg in cfgs:
         for p in mt.problems(cfg, "eval", 0, 20, seed=2):
             text = p.prompt + p.solution
@@ -125,17 +136,36 @@ def test_rewards():
     assert chain_reward("answer: 4\nanswer: 3", "3") == 0.0
     assert extract_answer("answer: x\nanswer: 3") is None
     # Missing or malformed answers get nothing, even with a format reward.
-    for bad in ["", "+a13 t=3", "answer:", "answer: ", "answer: 3 4", "answer: -3",
-                "the answer: 3", " answer: 3", "Answer: 3", "answer: ３", "answer: 3.0",
-                "answer: " + "9" * 40]:
+    for bad in [
+        "",
+        "+a13 t=3",
+        "answer:",
+        "answer: ",
+        "answer: 3 4",
+        "answer: -3",
+        "the answer: 3",
+        " answer: 3",
+        "Answer: 3",
+        "answer: ３",
+        "answer: 3.0",
+        "answer: " + "9" * 40,
+    ]:
         assert extract_answer(bad) is None, bad
         assert chain_reward(bad, "3", format_reward=0.5) == 0.0, bad
 
 
 def test_rewards_never_raise():
     rng = np.random.default_rng(0)
-    junk = ["\x00\n\ud800", "🙂" * 1000, "answer: \U0001F600", "\nanswer:\n\n", None, 17,
-            "answer: 7" + "\n" * 100_000, "x" * 1_000_000 + "\nanswer: 7"]
+    junk = [
+        "\x00\n\ud800",
+        "🙂" * 1000,
+        "answer: \U0001f600",
+        "\nanswer:\n\n",
+        None,
+        17,
+        "answer: 7" + "\n" * 100_000,
+        "x" * 1_000_000 + "\nanswer: 7",
+    ]
     junk += ["".join(chr(c) for c in rng.integers(0, 0x10FFFF, 50)) for _ in range(50)]
     for s in junk:
         assert chain_reward(s, "7", format_reward=0.2) in (0.0, 0.2, 1.0)

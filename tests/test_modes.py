@@ -64,10 +64,16 @@ def fake_score(tok, rollout, problems, format_reward=0.0):
 # the TIS weights); sparse and sparse_train share the sampler (M = 3).
 CASES = [
     ("dense", dict(rl__rollout_mode="dense")),
-    ("sparse", dict(rl__rollout_mode="sparse", rl__is_correction="mis",
-                    rl__samples_generated=3)),
-    ("sparse_train", dict(rl__rollout_mode="sparse_train", rl__is_correction="tis",
-                          rl__samples_generated=3, rl__selection="acceptance")),
+    ("sparse", dict(rl__rollout_mode="sparse", rl__is_correction="mis", rl__samples_generated=3)),
+    (
+        "sparse_train",
+        dict(
+            rl__rollout_mode="sparse_train",
+            rl__is_correction="tis",
+            rl__samples_generated=3,
+            rl__selection="acceptance",
+        ),
+    ),
     ("distillsparse", dict(rl__rollout_mode="distillsparse", rl__samples_generated=3)),
 ]
 
@@ -85,8 +91,17 @@ def test_mode_runs_two_steps(ctx, name, overrides, monkeypatch):
     for step in range(2):
         rng, k = jax.random.split(rng)
         st, m = rl_loop.rl_step(run, setup, st, k, step)
-        for key in ("reward", "loss", "grad_norm", "time_rollout", "time_update", "kl_k3",
-                    "log_ratio_mean_abs", "tis_clip_frac", "mis_masked_frac"):
+        for key in (
+            "reward",
+            "loss",
+            "grad_norm",
+            "time_rollout",
+            "time_update",
+            "kl_k3",
+            "log_ratio_mean_abs",
+            "tis_clip_frac",
+            "mis_masked_frac",
+        ):
             assert key in m and math.isfinite(m[key]), (key, m.get(key))
         assert m["skipped_updates"] == 0
     assert any((a != b).any() for a, b in zip(theta0, _leaves(st.params)))  # theta trained
@@ -98,8 +113,14 @@ def test_mode_runs_two_steps(ctx, name, overrides, monkeypatch):
     # sparse policy really differs from the dense one.
     assert m["twin_mu_max_abs"] < 1e-3, m["twin_mu_max_abs"]
     assert m["kl_exact"] > 1e-6 and 0 < m["alpha_mean"] < 1
-    for key in ("alpha_p5", "kl_exact_fwd", "alpha_p5_bin0", "alpha_mean_bin0", "kl_exact_bin0",
-                "seq_log_ratio_mean"):
+    for key in (
+        "alpha_p5",
+        "kl_exact_fwd",
+        "alpha_p5_bin0",
+        "alpha_mean_bin0",
+        "kl_exact_bin0",
+        "seq_log_ratio_mean",
+    ):
         assert math.isfinite(m[key]), key
     if name in ("sparse", "distillsparse"):
         assert m["reward_kept"] >= m["reward"]  # top-n of M by reward
@@ -117,6 +138,7 @@ def test_mode_runs_two_steps(ctx, name, overrides, monkeypatch):
 @pytest.mark.slow
 def test_distillsparse_checkpoint_round_trips_phi(ctx, tmp_path):
     from dsparse_jax.train import checkpoints
+
     run = _with(ctx, rl__rollout_mode="distillsparse")
     setup = rl_loop.make_setup(run)
     st = rl_loop.init_state(run, setup, run.init_params)
@@ -131,13 +153,23 @@ def test_distillsparse_checkpoint_round_trips_phi(ctx, tmp_path):
     assert jax.tree.structure(got.lora) == jax.tree.structure(st.lora)
     for a, b in zip(_leaves(got.lora), _leaves(st.lora)):
         np.testing.assert_array_equal(a, b)
-    assert (jax.tree.structure(got.lora_opt_state) == jax.tree.structure(st.lora_opt_state))
+    assert jax.tree.structure(got.lora_opt_state) == jax.tree.structure(st.lora_opt_state)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("rl.rollout_mode", "sparsest"), ("rl.samples_generated", 1), ("rl.is_correction", "ppo"),
-    ("rl.selection", "best"), ("distill.kl", "k4"), ("distill.teacher", "stale"),
-    ("lora.targets", "q,qq"), ("sparse.budget", 2), ("lora.rank", 0)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("rl.rollout_mode", "sparsest"),
+        ("rl.samples_generated", 1),
+        ("rl.is_correction", "ppo"),
+        ("rl.selection", "best"),
+        ("distill.kl", "k4"),
+        ("distill.teacher", "stale"),
+        ("lora.targets", "q,qq"),
+        ("sparse.budget", 2),
+        ("lora.rank", 0),
+    ],
+)
 def test_mode_config_validation(field, value):
     c = base_config()
     section, name = field.split(".")

@@ -35,22 +35,40 @@ def worker(pid: int, port: int, out: str, mesh: tuple) -> None:
     from dsparse_jax.train import distributed, rl_loop
     import test_sharding as ts
 
-    dist = ml_collections.ConfigDict({"mesh": {
-        "distributed": "on", "coordinator_address": f"127.0.0.1:{port}", "num_processes": 2,
-        "process_id": pid}})
+    dist = ml_collections.ConfigDict(
+        {
+            "mesh": {
+                "distributed": "on",
+                "coordinator_address": f"127.0.0.1:{port}",
+                "num_processes": 2,
+                "process_id": pid,
+            }
+        }
+    )
     assert distributed.initialize(dist)
     assert jax.process_count() == 2 and jax.device_count() == 8
     rl_loop.score = ts.fake_score
     ctx = ts._ctx(_ctx(ts), mesh)
     setup, st, m = ts._one_step(ctx)
     assert setup.plan.multiprocess
-    sums = {name: [float(jnp.sum(x)) for x in jax.tree.leaves(getattr(st, name))]
-            for name in ("params", "lora")}
-    local = {name: [x.sharding.is_fully_addressable for x in jax.tree.leaves(getattr(st, name))]
-             for name in ("params",)}
+    sums = {
+        name: [float(jnp.sum(x)) for x in jax.tree.leaves(getattr(st, name))]
+        for name in ("params", "lora")
+    }
+    local = {
+        name: [x.sharding.is_fully_addressable for x in jax.tree.leaves(getattr(st, name))]
+        for name in ("params",)
+    }
     with open(out, "w") as f:
-        json.dump({"metrics": m, "sums": sums, "process": jax.process_index(),
-                   "any_global": not all(local["params"])}, f)
+        json.dump(
+            {
+                "metrics": m,
+                "sums": sums,
+                "process": jax.process_index(),
+                "any_global": not all(local["params"]),
+            },
+            f,
+        )
     jax.distributed.shutdown()
 
 
@@ -63,13 +81,28 @@ def _ctx(ts):
 @pytest.mark.slow
 def test_two_processes_one_rl_step(tmp_path):
     port = _free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4 "
-                         "--xla_backend_optimization_level=0")
-    procs = [subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), str(pid), str(port),
-         str(tmp_path / f"p{pid}.json")], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True) for pid in range(2)]
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
+    )
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                str(pid),
+                str(port),
+                str(tmp_path / f"p{pid}.json"),
+            ],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for pid in range(2)
+    ]
     outs = []
     for p in procs:
         try:
@@ -86,18 +119,17 @@ def test_two_processes_one_rl_step(tmp_path):
     # Both processes saw the same global step.
     for k, v in got[0]["metrics"].items():
         if not k.startswith(("time_", "rollout_tokens_per_s")) and v == v:
-            np.testing.assert_allclose(got[1]["metrics"][k], v, rtol=1e-6, atol=1e-7,
-                                       err_msg=k)
+            np.testing.assert_allclose(got[1]["metrics"][k], v, rtol=1e-6, atol=1e-7, err_msg=k)
     np.testing.assert_allclose(got[0]["sums"]["params"], got[1]["sums"]["params"], rtol=1e-6)
     # And it is the single-device step (test_sharding's tolerance).
     ref = _reference()
     for k, v in ref["metrics"].items():
         if not k.startswith(("time_", "rollout_tokens_per_s")) and v == v:
-            np.testing.assert_allclose(got[0]["metrics"][k], v, rtol=1e-4, atol=1e-5,
-                                       err_msg=k)
+            np.testing.assert_allclose(got[0]["metrics"][k], v, rtol=1e-4, atol=1e-5, err_msg=k)
     for name in ("params", "lora"):
-        np.testing.assert_allclose(got[0]["sums"][name], ref["sums"][name], rtol=1e-4,
-                                   atol=1e-4, err_msg=name)
+        np.testing.assert_allclose(
+            got[0]["sums"][name], ref["sums"][name], rtol=1e-4, atol=1e-4, err_msg=name
+        )
 
 
 def _reference():
@@ -115,9 +147,13 @@ def _reference():
     finally:
         mp.undo()
     assert setup.plan is None
-    return {"metrics": m, "sums": {name: [float(jnp.sum(x)) for x in
-                                          jax.tree.leaves(getattr(st, name))]
-                                   for name in ("params", "lora")}}
+    return {
+        "metrics": m,
+        "sums": {
+            name: [float(jnp.sum(x)) for x in jax.tree.leaves(getattr(st, name))]
+            for name in ("params", "lora")
+        },
+    }
 
 
 if __name__ == "__main__":

@@ -33,27 +33,51 @@ from dsparse_jax.train.metrics import MetricsWriter, read_metrics
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 6  # RL steps
 TINY = [
-    "--config.model.d_model=32", "--config.model.num_layers=2", "--config.model.mlp_dim=64",
-    "--config.task.num_vars=4", "--config.task.num_terms=2",
+    "--config.model.d_model=32",
+    "--config.model.num_layers=2",
+    "--config.model.mlp_dim=64",
+    "--config.task.num_vars=4",
+    "--config.task.num_terms=2",
     # 80 SFT steps: answers become well formed, so format_reward makes rewards vary within
     # a group (non-zero advantages: theta really moves)
-    "--config.task.format_reward=0.5", "--config.sft.max_steps=80",
-    "--config.sft.eval_every=80", "--config.sft.batch_size=8", "--config.sft.learning_rate=1e-2",
-    "--config.eval.num_problems=4", "--config.eval.every=100", "--config.eval.mean_at_k=0",
-    "--config.eval.sparse=false", "--config.rl.prompts_per_step=2",
-    "--config.rl.samples_per_prompt=2", "--config.rl.samples_generated=3",
-    "--config.rl.minibatches=2", "--config.log.tensorboard=false", "--config.sparse.budget=3",
-    "--config.sparse.dense_layers=1", "--config.lora.rank=2", f"--config.rl.num_steps={N}"]
+    "--config.task.format_reward=0.5",
+    "--config.sft.max_steps=80",
+    "--config.sft.eval_every=80",
+    "--config.sft.batch_size=8",
+    "--config.sft.learning_rate=1e-2",
+    "--config.eval.num_problems=4",
+    "--config.eval.every=100",
+    "--config.eval.mean_at_k=0",
+    "--config.eval.sparse=false",
+    "--config.rl.prompts_per_step=2",
+    "--config.rl.samples_per_prompt=2",
+    "--config.rl.samples_generated=3",
+    "--config.rl.minibatches=2",
+    "--config.log.tensorboard=false",
+    "--config.sparse.budget=3",
+    "--config.sparse.dense_layers=1",
+    "--config.lora.rank=2",
+    f"--config.rl.num_steps={N}",
+]
 TIMING = ("time", "rollout_tokens_per_s")  # metrics that are wall-clock measurements
 
 
 def _train(workdir, cache, *extra, fault=None):
-    cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"),
-           "--config=" + os.path.join(ROOT, "configs", "gemma_math.py"),
-           f"--workdir={workdir}", *TINY, *extra]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache,
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "launch", "train.py"),
+        "--config=" + os.path.join(ROOT, "configs", "gemma_math.py"),
+        f"--workdir={workdir}",
+        *TINY,
+        *extra,
+    ]
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        JAX_COMPILATION_CACHE_DIR=cache,
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
     env.pop(faults.ENV, None)
     if fault:
         env[faults.ENV] = fault
@@ -62,8 +86,11 @@ def _train(workdir, cache, *extra, fault=None):
 
 def _metrics(workdir):
     """RL and eval records without wall-clock timings, in file order."""
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)}
-            for r in read_metrics(workdir) if r["phase"] in ("rl", "eval")]
+    return [
+        {k: v for k, v in r.items() if not k.startswith(TIMING)}
+        for r in read_metrics(workdir)
+        if r["phase"] in ("rl", "eval")
+    ]
 
 
 def _steps(workdir, name="checkpoints"):
@@ -74,15 +101,19 @@ def _steps(workdir, name="checkpoints"):
 def _raw(workdir, step, name="checkpoints"):
     """A checkpoint's leaves by path, read with plain orbax (no template)."""
     tree = ocp.StandardCheckpointer().restore(
-        os.path.join(os.path.abspath(workdir), name, str(step), "default"))
-    return {jax.tree_util.keystr(p): np.asarray(x)
-            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+        os.path.join(os.path.abspath(workdir), name, str(step), "default")
+    )
+    return {
+        jax.tree_util.keystr(p): np.asarray(x)
+        for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
 
 
 def _flip_byte(step_dir):
     """Silent corruption: one bit of the largest data file (orbax reads it without error)."""
-    files = [f for f in glob.glob(os.path.join(step_dir, "**", "*"), recursive=True)
-             if os.path.isfile(f)]
+    files = [
+        f for f in glob.glob(os.path.join(step_dir, "**", "*"), recursive=True) if os.path.isfile(f)
+    ]
     big = max(files, key=os.path.getsize)
     b = bytearray(open(big, "rb").read())
     b[len(b) // 2] ^= 0x10
@@ -142,9 +173,14 @@ def test_nan_step_is_skipped_and_repeated_nans_halt(reference, tmp_path):
     ref, cache = reference
     wd = str(tmp_path / "nan")
     shutil.copytree(os.path.join(ref, "sft"), os.path.join(wd, "sft"))
-    res = _train(wd, cache, "--config.checkpoint.every=1", "--config.checkpoint.keep=10",
-                 "--config.rl.max_consecutive_skips=2",
-                 fault="rl_nan@2:nan,rl_nan@4:nan,rl_nan@5:nan")
+    res = _train(
+        wd,
+        cache,
+        "--config.checkpoint.every=1",
+        "--config.checkpoint.keep=10",
+        "--config.rl.max_consecutive_skips=2",
+        fault="rl_nan@2:nan,rl_nan@4:nan,rl_nan@5:nan",
+    )
     assert res.returncode != 0
     assert "halted at step 5: 2 consecutive steps" in res.stderr
     assert "rl.max_consecutive_skips=2" in res.stderr
@@ -194,8 +230,9 @@ def test_sft_resumes_exactly_after_kills(reference, tmp_path):
     assert f"[sft] resuming from step {final}" in res.stdout  # re-evaluates, trains no more
     with open(os.path.join(wd, "sft", "DONE.json")) as f:
         assert json.load(f) == done
-    sft_metrics = lambda w: [{k: v for k, v in r.items() if not k.startswith(TIMING)}
-                             for r in read_metrics(w, "sft")]
+    sft_metrics = lambda w: [
+        {k: v for k, v in r.items() if not k.startswith(TIMING)} for r in read_metrics(w, "sft")
+    ]
     assert sft_metrics(wd) == sft_metrics(ref)
     assert [r["step"] for r in read_metrics(wd, "sft")] == list(range(1, final + 1))
     got, want = _raw(wd, final, "sft"), _raw(ref, final, "sft")
@@ -207,10 +244,15 @@ def test_sft_resumes_exactly_after_kills(reference, tmp_path):
 
 # ---------------------------------------------------------------------- checkpoint units
 def _tree(v=0.0):
-    return {"params": {"w": jnp.arange(256, dtype=jnp.float32).reshape(16, 16) / 7 + v,
-                       "b": jnp.ones(16, jnp.bfloat16)},
-            "opt_state": [jnp.zeros((), jnp.int32) + 3, jnp.full(8, float(v))],
-            "rng": jax.random.key_data(jax.random.key(1)), "step": np.asarray(5, np.int64)}
+    return {
+        "params": {
+            "w": jnp.arange(256, dtype=jnp.float32).reshape(16, 16) / 7 + v,
+            "b": jnp.ones(16, jnp.bfloat16),
+        },
+        "opt_state": [jnp.zeros((), jnp.int32) + 3, jnp.full(8, float(v))],
+        "rng": jax.random.key_data(jax.random.key(1)),
+        "step": np.asarray(5, np.int64),
+    }
 
 
 def _assert_tree_equal(a, b):
@@ -235,8 +277,7 @@ def test_keep_last_k_and_round_trip(tmp_path):
 
 
 def _truncate(d):
-    files = [f for f in glob.glob(os.path.join(d, "**", "*"), recursive=True)
-             if os.path.isfile(f)]
+    files = [f for f in glob.glob(os.path.join(d, "**", "*"), recursive=True) if os.path.isfile(f)]
     big = max(files, key=os.path.getsize)
     with open(big, "r+b") as f:
         f.truncate(os.path.getsize(big) // 3)
@@ -247,8 +288,9 @@ CORRUPTIONS = {
     "truncated_data": _truncate,
     "no_metadata": lambda d: os.remove(os.path.join(d, "default", "_METADATA")),
     "no_item": lambda d: shutil.rmtree(os.path.join(d, "default")),
-    "garbage_manifest": lambda d: open(os.path.join(d, "default", "manifest.ocdbt"),
-                                       "wb").write(b"\0garbage" * 8),
+    "garbage_manifest": lambda d: open(os.path.join(d, "default", "manifest.ocdbt"), "wb").write(
+        b"\0garbage" * 8
+    ),
 }
 
 
@@ -322,8 +364,9 @@ def test_digest_matches_on_host_and_device():
     tree = _tree(1.5)
     host = {k: np.asarray(v) for k, v in tree["params"].items()}
     assert np.array_equal(checkpoints.digest(tree["params"])[0], checkpoints.digest(host)[0])
-    moved = dict(tree, params={"w": tree["params"]["w"].at[0, 0].add(1e-3),
-                               "b": tree["params"]["b"]})
+    moved = dict(
+        tree, params={"w": tree["params"]["w"].at[0, 0].add(1e-3), "b": tree["params"]["b"]}
+    )
     assert not np.array_equal(checkpoints.digest(tree)[0], checkpoints.digest(moved)[0])
 
 
@@ -339,8 +382,9 @@ def test_non_finite_update_is_skipped(what):
     assert not bool(finite)
     _assert_tree_equal(new, params)
     _assert_tree_equal(new_opt, opt)
-    new, _, _, finite = steps.apply_update(tx, params, opt, {"w": jnp.ones(3)},
-                                           loss=jnp.float32(1.0))
+    new, _, _, finite = steps.apply_update(
+        tx, params, opt, {"w": jnp.ones(3)}, loss=jnp.float32(1.0)
+    )
     assert bool(finite) and not np.array_equal(new["w"], params["w"])
 
 
@@ -380,8 +424,11 @@ def test_metrics_line_cut_short_by_a_kill_is_dropped(tmp_path):
     assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2, 3]
     w.drop_after("rl", 2)
     w.write("rl", 3, {"loss": 3.5})
-    assert [(r["step"], r["loss"]) for r in read_metrics(str(tmp_path))] == [(1, 1.0), (2, 2.0),
-                                                                             (3, 3.5)]
+    assert [(r["step"], r["loss"]) for r in read_metrics(str(tmp_path))] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.5),
+    ]
     assert not os.path.exists(w.path + ".tmp")
 
 
@@ -395,11 +442,30 @@ def test_faults_are_inert_unless_set(monkeypatch):
 
 
 # ------------------------------------------------------------------------------- rewards
-PATHOLOGICAL = ["", "\n", "answer:", "answer: ", "answer:\n5", "answer: 5\nanswer: 6",
-                "xanswer: 5", "answer: ５", "answer: ٣", "answer: 1e3", "answer: -5",
-                "answer: " + "9" * 33, "answer: " + "9" * 32, "answer:\t5", "answer: 5\r\n",
-                "\x00answer: 5", "\ud800", "answer: 5\ud800", "answer: " * 10_000,
-                "\n" * 100_000 + "answer: 7", "a" * 1_000_000, "🙂" * 1000 + "\nanswer: 3"]
+PATHOLOGICAL = [
+    "",
+    "\n",
+    "answer:",
+    "answer: ",
+    "answer:\n5",
+    "answer: 5\nanswer: 6",
+    "xanswer: 5",
+    "answer: ５",
+    "answer: ٣",
+    "answer: 1e3",
+    "answer: -5",
+    "answer: " + "9" * 33,
+    "answer: " + "9" * 32,
+    "answer:\t5",
+    "answer: 5\r\n",
+    "\x00answer: 5",
+    "\ud800",
+    "answer: 5\ud800",
+    "answer: " * 10_000,
+    "\n" * 100_000 + "answer: 7",
+    "a" * 1_000_000,
+    "🙂" * 1000 + "\nanswer: 3",
+]
 
 
 @pytest.mark.parametrize("text", PATHOLOGICAL, ids=range(len(PATHOLOGICAL)))
@@ -412,9 +478,11 @@ def test_reward_on_pathological_completions(text):
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(text=st.text(alphabet=st.characters(codec=None, exclude_categories=()), max_size=300),
-       answer=st.one_of(st.text(max_size=5), st.integers(), st.just("5")),
-       fr=st.floats(0, 0.99))
+@given(
+    text=st.text(alphabet=st.characters(codec=None, exclude_categories=()), max_size=300),
+    answer=st.one_of(st.text(max_size=5), st.integers(), st.just("5")),
+    fr=st.floats(0, 0.99),
+)
 def test_rewards_never_raise_on_arbitrary_text(text, answer, fr):
     for completion in (text, "answer: 5\n" + text, text + "\nanswer: 5", text + "answer: 5"):
         r = rewards.chain_reward(completion, answer, fr)

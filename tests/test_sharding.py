@@ -44,9 +44,16 @@ def base_ctx():
     graphdef, params = random_params(model_cfg, seed=1)
     sampler = Sampler(graphdef)
     evaluator = Evaluator(sampler, ctx.tok, ctx.task, ctx.evaluator.problems, ctx.spec)
-    return context.RunContext(**{**ctx.__dict__, "model_cfg": model_cfg, "graphdef": graphdef,
-                                 "init_params": params, "sampler": sampler,
-                                 "evaluator": evaluator})
+    return context.RunContext(
+        **{
+            **ctx.__dict__,
+            "model_cfg": model_cfg,
+            "graphdef": graphdef,
+            "init_params": params,
+            "sampler": sampler,
+            "evaluator": evaluator,
+        }
+    )
 
 
 def _ctx(base_ctx, shape):
@@ -113,8 +120,12 @@ def _check_state_shardings(st, mesh):
     tp = "tensor" if t > 1 else None
     layer = st.params["layers"][1]
     want = {  # d_model 32, heads 4, KV heads 2, mlp 64: every split divides
-        "q": _p(fsdp, tp), "k": _p(fsdp, tp), "o": _p(tp, None, fsdp),
-        "gate": _p(fsdp, tp), "down": _p(tp, fsdp)}
+        "q": _p(fsdp, tp),
+        "k": _p(fsdp, tp),
+        "o": _p(tp, None, fsdp),
+        "gate": _p(fsdp, tp),
+        "down": _p(tp, fsdp),
+    }
     for name, spec in want.items():
         sub = layer["attn"] if name in ("q", "k", "o") else layer["mlp"]
         assert sub[name][...].sharding.spec == spec, (name, sub[name][...].sharding)
@@ -122,8 +133,9 @@ def _check_state_shardings(st, mesh):
     # Every leaf of all four trees matches the rule (and is on the whole mesh).
     for tree in (st.params, st.opt_state, st.lora, st.lora_opt_state):
         specs = sharding.state_specs(tree, mesh)
-        for x, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(
-                specs, is_leaf=lambda s: isinstance(s, P))):
+        for x, spec in zip(
+            jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+        ):
             assert x.sharding.mesh.shape == mesh.shape
             assert x.sharding.spec == spec, (x.shape, x.sharding.spec, spec)
     # LoRA follows its base weight: a over W's input dims, b over W's output dims.
@@ -165,8 +177,7 @@ def test_sharded_checkpoint_restores_onto_another_mesh(base_ctx, tmp_path):
     b = _ctx(base_ctx, (8, 1, 1))  # data-parallel only: params replicated
     setup_b = rl_loop.make_setup(b)
     fresh = rl_loop.init_state(b, setup_b, jax.tree.map(jnp.copy, b.init_params))
-    got, rng_b, step = rl_loop._restore(ckpt, 1, fresh,
-                                        setup_b.plan.replicate(jax.random.key(0)))
+    got, rng_b, step = rl_loop._restore(ckpt, 1, fresh, setup_b.plan.replicate(jax.random.key(0)))
     ckpt.close()
     assert step == 1
     np.testing.assert_array_equal(jax.random.key_data(rng_b), jax.random.key_data(rng))
@@ -182,6 +193,7 @@ def test_sharded_checkpoint_restores_onto_another_mesh(base_ctx, tmp_path):
 
 def test_distributed_settings(monkeypatch):
     from dsparse_jax.train import distributed
+
     for var in ("JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES"):
         monkeypatch.delenv(var, raising=False)
     c = base_config()

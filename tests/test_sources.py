@@ -12,11 +12,13 @@ from dsparse_jax.data import gemma_tokenizer as gt
 from dsparse_jax.data import math_task, rewards, sources
 from dsparse_jax.train.validate import load_config
 
-CORPUS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as "
-          "many clips in May. How many clips did Natalia sell altogether?",
-          "What is $\\frac{1}{2} + \\frac{1}{3}$? The answer is \\boxed{\\frac{5}{6}}.",
-          "Solve the following math problem step by step. Put your final answer within "
-          "\\boxed{}.", "user\nmodel\n0123456789 +-*/=()[]{}.,;:?!$#%&'\"<>"]
+CORPUS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as "
+    "many clips in May. How many clips did Natalia sell altogether?",
+    "What is $\\frac{1}{2} + \\frac{1}{3}$? The answer is \\boxed{\\frac{5}{6}}.",
+    "Solve the following math problem step by step. Put your final answer within \\boxed{}.",
+    "user\nmodel\n0123456789 +-*/=()[]{}.,;:?!$#%&'\"<>",
+]
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +60,23 @@ def _write_jsonl(path, rows):
             f.write("\n")
 
 
-GSM = [{"question": f"Tom has {i} apples and buys {i + 1} more. How many?",
-        "answer": f"{i}+{i + 1}={2 * i + 1}\n#### {2 * i + 1:,}"} for i in range(995, 1045)]
+GSM = [
+    {
+        "question": f"Tom has {i} apples and buys {i + 1} more. How many?",
+        "answer": f"{i}+{i + 1}={2 * i + 1}\n#### {2 * i + 1:,}",
+    }
+    for i in range(995, 1045)
+]
 
 
 def test_jsonl_gsm8k(tok, tmp_path):
-    rows = list(GSM) + ["{not json", {"question": "no answer"}, {"answer": "#### 3"},
-                        {"question": "", "answer": "#### 1"}, [1, 2]]
+    rows = list(GSM) + [
+        "{not json",
+        {"question": "no answer"},
+        {"answer": "#### 3"},
+        {"question": "", "answer": "#### 1"},
+        [1, 2],
+    ]
     _write_jsonl(tmp_path / "g.jsonl", rows)
     cfg = sources.SourceConfig(max_bad_fraction=0.2, max_prompt_tokens=400)
     with pytest.warns(UserWarning, match="skipped 5 of 55 bad records"):
@@ -75,8 +87,9 @@ def test_jsonl_gsm8k(tok, tmp_path):
     assert rewards.reward("so \\boxed{1991}", probs[0].answer, "math") == 1.0
     assert "Tom has 995 apples" in probs[0].prompt and probs[0].solution.endswith("#### 1,991")
     with pytest.raises(ValueError, match="max_bad_fraction"):
-        sources.load_problems(f"jsonl:{tmp_path}/g.jsonl",
-                              sources.SourceConfig(max_bad_fraction=0.05), tok)
+        sources.load_problems(
+            f"jsonl:{tmp_path}/g.jsonl", sources.SourceConfig(max_bad_fraction=0.05), tok
+        )
 
 
 def test_overlong_drop_and_truncate(tok, tmp_path):
@@ -87,11 +100,14 @@ def test_overlong_drop_and_truncate(tok, tmp_path):
     assert 1 + len(tok.encode(gt.math_prompt(long_q))) > width
     with pytest.warns(UserWarning, match="dropped 1 prompts"):
         probs, stats = sources.load_problems(
-            f"jsonl:{tmp_path}/l.jsonl", sources.SourceConfig(max_prompt_tokens=width), tok)
+            f"jsonl:{tmp_path}/l.jsonl", sources.SourceConfig(max_prompt_tokens=width), tok
+        )
     assert stats["overlong"] == 1 and len(probs) == 3
     probs, stats = sources.load_problems(
         f"jsonl:{tmp_path}/l.jsonl",
-        sources.SourceConfig(max_prompt_tokens=width, overlong="truncate"), tok)
+        sources.SourceConfig(max_prompt_tokens=width, overlong="truncate"),
+        tok,
+    )
     assert stats["truncated"] == 1 and len(probs) == 4
     p = probs[0].prompt
     assert 1 + len(tok.encode(p)) <= width and p.endswith("<start_of_turn>model\n")
@@ -101,24 +117,32 @@ def test_overlong_drop_and_truncate(tok, tmp_path):
 def test_parquet_math_fields(tok, tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
-    table = pa.table({"problem": ["Compute $\\frac12+\\frac13$.", "Find $x$ if $2x=4$.", None],
-                      "solution": ["It is $\\boxed{\\frac{5}{6}}$.", "So $x=\\boxed{2}$.",
-                                   "\\boxed{1}"],
-                      "level": ["Level 1", "Level 2", "Level 1"]})
+
+    table = pa.table(
+        {
+            "problem": ["Compute $\\frac12+\\frac13$.", "Find $x$ if $2x=4$.", None],
+            "solution": ["It is $\\boxed{\\frac{5}{6}}$.", "So $x=\\boxed{2}$.", "\\boxed{1}"],
+            "level": ["Level 1", "Level 2", "Level 1"],
+        }
+    )
     pq.write_table(table, tmp_path / "m.parquet")
-    cfg = sources.SourceConfig(question_field="problem", answer_field="solution",
-                               max_bad_fraction=0.5)
+    cfg = sources.SourceConfig(
+        question_field="problem", answer_field="solution", max_bad_fraction=0.5
+    )
     with pytest.warns(UserWarning, match="no usable question"):
         probs, stats = sources.load_problems(f"parquet:{tmp_path}/m.parquet", cfg, tok)
     assert [p.answer for p in probs] == ["\\frac{5}{6}", "2"] and stats["bad"] == 1
-    r = rewards.batch_rewards(["so \\boxed{5/6}", "\\boxed{3}", "answer: 2"],
-                              [probs[0].answer, probs[1].answer, probs[1].answer],
-                              graders=["math", "math", "math"])
+    r = rewards.batch_rewards(
+        ["so \\boxed{5/6}", "\\boxed{3}", "answer: 2"],
+        [probs[0].answer, probs[1].answer, probs[1].answer],
+        graders=["math", "math", "math"],
+    )
     np.testing.assert_array_equal(r, [1.0, 0.0, 0.0])
     # A wrong explicit field name is a bad record for every row: a clear error.
     with pytest.raises(ValueError, match="no usable question field \\(question\\)"):
-        sources.load_problems(f"parquet:{tmp_path}/m.parquet",
-                              sources.SourceConfig(question_field="question"), tok)
+        sources.load_problems(
+            f"parquet:{tmp_path}/m.parquet", sources.SourceConfig(question_field="question"), tok
+        )
 
 
 def test_uri_errors(tok, tmp_path):
@@ -132,8 +156,11 @@ def test_uri_errors(tok, tmp_path):
 def test_tfds_missing_is_a_clear_error(tok, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # import fails
     with pytest.raises(ImportError, match="tensorflow_datasets.*local data_dir"):
-        sources.load_problems("tfds:math_dataset/algebra__linear_1d",
-                              sources.SourceConfig(data_dir="/nonexistent"), tok)
+        sources.load_problems(
+            "tfds:math_dataset/algebra__linear_1d",
+            sources.SourceConfig(data_dir="/nonexistent"),
+            tok,
+        )
 
 
 def test_dataset_task_order_and_dispatch():
@@ -143,17 +170,17 @@ def test_dataset_task_order_and_dispatch():
     assert sorted(p.answer for p in epoch0) == sorted(str(i) for i in range(10))
     assert sources.problems(task, "train", 0, 10, seed=1) == epoch0  # deterministic
     assert sources.problems(task, "train", 10, 10, seed=1) != epoch0  # reshuffled
-    assert sources.problems(task, "train", 10_000_003, 2, seed=1) == \
-        sources.problems(task, "train", 10_000_003, 2, seed=1)
+    assert sources.problems(task, "train", 10_000_003, 2, seed=1) == sources.problems(
+        task, "train", 10_000_003, 2, seed=1
+    )
     assert [p.answer for p in sources.problems(task, "eval", 2, 3, seed=0)] == ["2", "0", "1"]
     chain = math_task.ChainTaskConfig(num_vars=5, num_terms=3)
     assert sources.problems(chain, "train", 4, 2, 0) == math_task.problems(chain, "train", 4, 2, 0)
     assert sources.describe(chain) == "3 terms"
     from dsparse_jax.data import batches
+
     assert batches.prompt_buffer(task) == 64 and batches.completion_budget(task) == 32
     assert batches.sequence_buffer(task, 16) == 96
-
-
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -161,6 +188,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_real_configs_validate():
     from dsparse_jax.train.validate import validate
+
     for name, budget, gen in (("gemma3_1b_gsm8k.py", 32, 1024), ("gemma2_2b_math.py", 32, 2048)):
         c = load_config(os.path.join(ROOT, "configs", name))
         validate(c)
@@ -186,8 +214,9 @@ def test_real_data_context_from_exported_checkpoint(tok, tmp_path):
     from dsparse_jax.train import context
 
     pytest.importorskip("safetensors")
-    cfg = tiny(vocab_size=tok.vocab_size).replace(d_model=32, num_layers=2, num_heads=2,
-                                                  head_dim=16, mlp_dim=64, sliding_window=16)
+    cfg = tiny(vocab_size=tok.vocab_size).replace(
+        d_model=32, num_layers=2, num_heads=2, head_dim=16, mlp_dim=64, sliding_window=16
+    )
     _, params = nnx.split(Transformer(cfg, nnx.Rngs(3)))
     ckpt = tmp_path / "ckpt"
     hfc_files = hf_checkpoint.export(str(ckpt), params, cfg, dtype="float32")
@@ -206,8 +235,9 @@ def test_real_data_context_from_exported_checkpoint(tok, tmp_path):
     ctx = context.build(c)
     assert ctx.model_cfg == cfg.replace(query_scale=cfg.scale)
     assert len(ctx.task.eval) == 4 and len(ctx.task.train) == 46
-    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(ctx.init_params),
-                 nnx.to_pure_dict(params))
+    jax.tree.map(
+        np.testing.assert_array_equal, nnx.to_pure_dict(ctx.init_params), nnx.to_pure_dict(params)
+    )
     assert ctx.seq_width == 208 and ctx.tok.eos_id == tok.eos_id
     acc = ctx.evaluator.greedy(ctx.init_params)
     assert acc == 0.0  # a random model does not answer GSM8K; the path runs end to end
@@ -217,21 +247,52 @@ def test_hf_config_matches_presets():
     """config.json of the released gemma-3-1b-it / gemma-2-2b-it gives our presets."""
     from dsparse_jax.model import config as mc
     from dsparse_jax.model import hf_checkpoint
-    g3 = {"model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 1152,
-          "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
-          "num_key_value_heads": 1, "head_dim": 256, "sliding_window": 512,
-          "sliding_window_pattern": 6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
-          "query_pre_attn_scalar": 256, "rope_scaling": None, "final_logit_softcapping": None,
-          "attn_logit_softcapping": None, "hidden_activation": "gelu_pytorch_tanh"}
+
+    g3 = {
+        "model_type": "gemma3_text",
+        "vocab_size": 262144,
+        "hidden_size": 1152,
+        "intermediate_size": 6912,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": 256,
+        "rope_scaling": None,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
     assert hf_checkpoint.model_config_from_hf(g3) == mc.gemma3_1b()
-    g2 = {"model_type": "gemma2", "vocab_size": 256000, "hidden_size": 2304,
-          "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
-          "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096,
-          "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
-          "final_logit_softcapping": 30.0, "hidden_act": "gelu_pytorch_tanh",
-          "hidden_activation": "gelu_pytorch_tanh", "rope_theta": 10000.0}
+    g2 = {
+        "model_type": "gemma2",
+        "vocab_size": 256000,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "sliding_window": 4096,
+        "query_pre_attn_scalar": 256,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rope_theta": 10000.0,
+    }
     assert hf_checkpoint.model_config_from_hf(g2) == mc.gemma2_2b()
-    g3_4b = {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240,
-             "num_hidden_layers": 34, "sliding_window": 1024, "vocab_size": 262144,
-             "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}
+    g3_4b = {
+        "model_type": "gemma3_text",
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 34,
+        "sliding_window": 1024,
+        "vocab_size": 262144,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+    }
     assert hf_checkpoint.model_config_from_hf(g3_4b) == mc.gemma3_4b()

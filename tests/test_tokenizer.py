@@ -1,4 +1,5 @@
 """Tokenizer: training, round trips, batching, persistence."""
+
 import numpy as np
 import pytest
 
@@ -22,8 +23,10 @@ def test_special_ids(tok):
     assert tok.vocab_size == 4 + len(set("".join(CORPUS)))
 
 
-@pytest.mark.parametrize("text", ["", "x", "vars: k3=7\nsum: +k3\n", "  two  spaces ",
-                                  "\nnewline first", "ends with newline\n"])
+@pytest.mark.parametrize(
+    "text",
+    ["", "x", "vars: k3=7\nsum: +k3\n", "  two  spaces ", "\nnewline first", "ends with newline\n"],
+)
 def test_roundtrip(tok, text):
     ids = tok.encode(text)
     assert len(ids) == len(text)  # char model: one id per character
@@ -40,8 +43,10 @@ def test_bos_eos(tok):
     assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and len(ids) == 5
     assert tok.decode(ids) == "abc"
     # Decoding skips pad/bos and stops at the first eos.
-    assert tok.decode([tok.pad_id, tok.bos_id] + tok.encode("ab") + [tok.eos_id]
-                      + tok.encode("zz")) == "ab"
+    assert (
+        tok.decode([tok.pad_id, tok.bos_id] + tok.encode("ab") + [tok.eos_id] + tok.encode("zz"))
+        == "ab"
+    )
     # Ids beyond the vocabulary (padded embedding tables) decode as unk, not raise.
     assert tok.decode(tok.encode("a") + [tok.vocab_size + 5]) != "a"
 
@@ -53,8 +58,8 @@ def test_encode_batch(tok, pad_side):
     assert ids.shape == (3, 16) and ids.dtype == np.int32 and lengths.dtype == np.int32
     assert lengths.tolist() == [4, 1, 12]
     for row, text, n in zip(ids, texts, lengths):
-        body = row[:n] if pad_side == "right" else row[16 - n:]
-        pad = row[n:] if pad_side == "right" else row[:16 - n]
+        body = row[:n] if pad_side == "right" else row[16 - n :]
+        pad = row[n:] if pad_side == "right" else row[: 16 - n]
         assert body.tolist() == tok.encode(text, add_eos=True)
         assert (pad == tok.pad_id).all()
     assert tok.decode_batch(ids) == texts

@@ -8,20 +8,39 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--config.model.d_model=32", "--config.model.num_layers=2", "--config.model.mlp_dim=64",
-        "--config.task.num_vars=4", "--config.task.num_terms=2", "--config.sft.max_steps=2",
-        "--config.sft.batch_size=4", "--config.sft.eval_every=1", "--config.eval.num_problems=4",
-        "--config.eval.every=1", "--config.eval.mean_at_k=2", "--config.rl.prompts_per_step=2",
-        "--config.rl.samples_per_prompt=2", "--config.rl.minibatches=2",
-        "--config.checkpoint.every=1", "--config.log.tensorboard=true",
-        # the default rollout mode is distillsparse: make layer 1 really sparse (5 pages)
-        "--config.sparse.budget=3", "--config.sparse.dense_layers=1", "--config.lora.rank=2"]
+TINY = [
+    "--config.model.d_model=32",
+    "--config.model.num_layers=2",
+    "--config.model.mlp_dim=64",
+    "--config.task.num_vars=4",
+    "--config.task.num_terms=2",
+    "--config.sft.max_steps=2",
+    "--config.sft.batch_size=4",
+    "--config.sft.eval_every=1",
+    "--config.eval.num_problems=4",
+    "--config.eval.every=1",
+    "--config.eval.mean_at_k=2",
+    "--config.rl.prompts_per_step=2",
+    "--config.rl.samples_per_prompt=2",
+    "--config.rl.minibatches=2",
+    "--config.checkpoint.every=1",
+    "--config.log.tensorboard=true",
+    # the default rollout mode is distillsparse: make layer 1 really sparse (5 pages)
+    "--config.sparse.budget=3",
+    "--config.sparse.dense_layers=1",
+    "--config.lora.rank=2",
+]
 
 
 def _train(workdir, *extra):
-    cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"),
-           "--config=" + os.path.join(ROOT, "configs", "gemma_math.py"), f"--workdir={workdir}",
-           *TINY, *extra]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "launch", "train.py"),
+        "--config=" + os.path.join(ROOT, "configs", "gemma_math.py"),
+        f"--workdir={workdir}",
+        *TINY,
+        *extra,
+    ]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
@@ -38,12 +57,29 @@ def test_main_job_runs_writes_and_resumes(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     rl = _records(wd, "rl")
     assert [r["step"] for r in rl] == [1, 2]
-    for key in ("reward", "accuracy", "response_length_mean", "response_length_max", "entropy",
-                "clip_frac", "grad_norm", "time_rollout", "time_recompute", "time_update",
-                "rollout_tokens_per_s",
-                # distillsparse (the default): phi update and mismatch metrics
-                "phi_loss", "phi_grad_norm", "time_phi_update", "kl_exact", "kl_k3",
-                "alpha_mean", "alpha_p5_bin0", "tis_clip_frac", "mis_masked_frac"):
+    for key in (
+        "reward",
+        "accuracy",
+        "response_length_mean",
+        "response_length_max",
+        "entropy",
+        "clip_frac",
+        "grad_norm",
+        "time_rollout",
+        "time_recompute",
+        "time_update",
+        "rollout_tokens_per_s",
+        # distillsparse (the default): phi update and mismatch metrics
+        "phi_loss",
+        "phi_grad_norm",
+        "time_phi_update",
+        "kl_exact",
+        "kl_k3",
+        "alpha_mean",
+        "alpha_p5_bin0",
+        "tis_clip_frac",
+        "mis_masked_frac",
+    ):
         assert key in rl[0], key
     assert [r["step"] for r in _records(wd, "eval")] == [0, 1, 2]
     assert "sparse_greedy_accuracy" in _records(wd, "eval")[0]

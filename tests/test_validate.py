@@ -72,8 +72,7 @@ def test_default_config_is_valid():
     validate(default())
 
 
-@pytest.mark.parametrize("field,value,message", CASES,
-                         ids=[f"{f}={v}" for f, v, _ in CASES])
+@pytest.mark.parametrize("field,value,message", CASES, ids=[f"{f}={v}" for f, v, _ in CASES])
 def test_bad_value_names_the_field(field, value, message):
     c = default()
     _set(c, field, value)
@@ -95,8 +94,7 @@ def test_unknown_keys_are_rejected(field):
     section[name] = 1
     with pytest.raises(ConfigError) as e:
         validate(c)
-    assert str(e.value) == f"config.{field}: unknown key (not declared in " \
-                           "configs/gemma_math.py)"
+    assert str(e.value) == f"config.{field}: unknown key (not declared in configs/gemma_math.py)"
 
 
 def test_dataset_lengths_fit_the_cache():
@@ -115,10 +113,13 @@ def test_missing_key_is_reported():
         validate(c)
 
 
-@pytest.mark.parametrize("broken,field", [
-    (lambda task, page: 16 * 7 + 3, "attention.page_size"),  # not whole pages
-    (lambda task, page: 16, "task.num_terms"),  # prompt + generation do not fit
-])
+@pytest.mark.parametrize(
+    "broken,field",
+    [
+        (lambda task, page: 16 * 7 + 3, "attention.page_size"),  # not whole pages
+        (lambda task, page: 16, "task.num_terms"),  # prompt + generation do not fit
+    ],
+)
 def test_cache_shape_invariants(monkeypatch, broken, field):
     """The KV cache length is derived (whole pages of prompt + generation); the checks
     guard that derivation."""

@@ -30,74 +30,98 @@ from dsparse_jax.attention.spec import AttentionSpec, LayerInfo
 
 @functools.lru_cache(maxsize=None)
 def _gpu_kernels_available() -> bool:
-  from pallas_kernels import triton_decode
-  return triton_decode.triton_available()
+    from pallas_kernels import triton_decode
+
+    return triton_decode.triton_available()
 
 
 def resolve_impl(impl: str, platform: str | None = None) -> str:
-  """The implementation that runs for `impl` on `platform` (default: jax's backend)."""
-  if impl != "auto":
-    return impl
-  platform = platform or jax.default_backend()
-  if platform == "tpu":
-    return "pallas_tpu"
-  if platform == "gpu" and _gpu_kernels_available():
-    return "triton_gpu"
-  return "xla"
+    """The implementation that runs for `impl` on `platform` (default: jax's backend)."""
+    if impl != "auto":
+        return impl
+    platform = platform or jax.default_backend()
+    if platform == "tpu":
+        return "pallas_tpu"
+    if platform == "gpu" and _gpu_kernels_available():
+        return "triton_gpu"
+    return "xla"
 
 
 def interpret_mode() -> bool:
-  """Pallas TPU kernels compile with Mosaic on TPU and run interpreted elsewhere."""
-  return jax.default_backend() != "tpu"
+    """Pallas TPU kernels compile with Mosaic on TPU and run interpreted elsewhere."""
+    return jax.default_backend() != "tpu"
 
 
-def attend_sequence(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer: LayerInfo,
-                    spec: AttentionSpec, pages=None):
-  """Causal attention of a right-padded sequence batch over itself.
+def attend_sequence(
+    q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer: LayerInfo, spec: AttentionSpec, pages=None
+):
+    """Causal attention of a right-padded sequence batch over itself.
 
-  pages: None (dense: training, prefill) or this layer's decode record
-  (page_ids_BxTxKxP, sparse_query_BxT) for the teacher-forced sparse forward; it only
-  applies to the spec's sparse layers.
-  """
-  allowed = None
-  if pages is not None and spec.is_sparse_layer(layer):
-    page_ids, sparse_query = pages
-    if resolve_impl(spec.impl) == "pallas_tpu":
-      from pallas_kernels import sparse_train
-      return sparse_train.sparse_sequence_attention(
-          q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer, page_ids, sparse_query, spec.page_size,
-          interpret=interpret_mode())
-    allowed = selection.allowed_key_mask(page_ids, sparse_query, q_BxTxNxH.shape[1],
-                                         spec.page_size)
-  return dense.sequence_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer, allowed)
+    pages: None (dense: training, prefill) or this layer's decode record
+    (page_ids_BxTxKxP, sparse_query_BxT) for the teacher-forced sparse forward; it only
+    applies to the spec's sparse layers.
+    """
+    allowed = None
+    if pages is not None and spec.is_sparse_layer(layer):
+        page_ids, sparse_query = pages
+        if resolve_impl(spec.impl) == "pallas_tpu":
+            from pallas_kernels import sparse_train
+
+            return sparse_train.sparse_sequence_attention(
+                q_BxTxNxH,
+                k_BxTxKxH,
+                v_BxTxKxH,
+                layer,
+                page_ids,
+                sparse_query,
+                spec.page_size,
+                interpret=interpret_mode(),
+            )
+        allowed = selection.allowed_key_mask(
+            page_ids, sparse_query, q_BxTxNxH.shape[1], spec.page_size
+        )
+    return dense.sequence_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer, allowed)
 
 
-def sparse_decode(q_BxNxH, k_BxKxSxH, v_BxKxSxH, pos_B, page_ids_BxKxP, layer: LayerInfo,
-                  spec: AttentionSpec):
-  """Block-sparse decode attention over the selected pages, by implementation."""
-  impl = resolve_impl(spec.impl)
-  if impl == "pallas_tpu":
-    from pallas_kernels import sparse_decode
-    return sparse_decode.sparse_decode_attention(
-        q_BxNxH, k_BxKxSxH, v_BxKxSxH, pos_B, page_ids_BxKxP, layer, spec.page_size,
-        interpret=interpret_mode())
-  if impl == "triton_gpu":
-    from pallas_kernels import triton_decode
-    return triton_decode.sparse_decode_attention(
-        q_BxNxH, k_BxKxSxH, v_BxKxSxH, pos_B, page_ids_BxKxP, layer, spec.page_size)
-  return sparse.sparse_decode_attention(q_BxNxH, k_BxKxSxH, v_BxKxSxH, pos_B,
-                                        page_ids_BxKxP, layer, spec.page_size)
+def sparse_decode(
+    q_BxNxH, k_BxKxSxH, v_BxKxSxH, pos_B, page_ids_BxKxP, layer: LayerInfo, spec: AttentionSpec
+):
+    """Block-sparse decode attention over the selected pages, by implementation."""
+    impl = resolve_impl(spec.impl)
+    if impl == "pallas_tpu":
+        from pallas_kernels import sparse_decode
+
+        return sparse_decode.sparse_decode_attention(
+            q_BxNxH,
+            k_BxKxSxH,
+            v_BxKxSxH,
+            pos_B,
+            page_ids_BxKxP,
+            layer,
+            spec.page_size,
+            interpret=interpret_mode(),
+        )
+    if impl == "triton_gpu":
+        from pallas_kernels import triton_decode
+
+        return triton_decode.sparse_decode_attention(
+            q_BxNxH, k_BxKxSxH, v_BxKxSxH, pos_B, page_ids_BxKxP, layer, spec.page_size
+        )
+    return sparse.sparse_decode_attention(
+        q_BxNxH, k_BxKxSxH, v_BxKxSxH, pos_B, page_ids_BxKxP, layer, spec.page_size
+    )
 
 
 def attend_decode(q_BxNxH, cache: dict, pos_B, layer: LayerInfo, spec: AttentionSpec):
-  """One decode step over the (already written) cache. Returns (out_BxNxH, page_ids)
-  where page_ids is int32 [B, K, P] for sparse layers and None for dense ones."""
-  if not spec.is_sparse_layer(layer):
-    return dense.decode_attention(q_BxNxH, cache["k"], cache["v"], pos_B, layer), None
-  b, n, h = q_BxNxH.shape
-  kv, s = cache["k"].shape[1], cache["k"].shape[2]
-  q_BxKxGxH = q_BxNxH.reshape(b, kv, n // kv, h)
-  page_ids = selection.select_pages(spec.sparse, cache, q_BxKxGxH, pos_B, spec.page_size,
-                                    s // spec.page_size)
-  out = sparse_decode(q_BxNxH, cache["k"], cache["v"], pos_B, page_ids, layer, spec)
-  return out, page_ids
+    """One decode step over the (already written) cache. Returns (out_BxNxH, page_ids)
+    where page_ids is int32 [B, K, P] for sparse layers and None for dense ones."""
+    if not spec.is_sparse_layer(layer):
+        return dense.decode_attention(q_BxNxH, cache["k"], cache["v"], pos_B, layer), None
+    b, n, h = q_BxNxH.shape
+    kv, s = cache["k"].shape[1], cache["k"].shape[2]
+    q_BxKxGxH = q_BxNxH.reshape(b, kv, n // kv, h)
+    page_ids = selection.select_pages(
+        spec.sparse, cache, q_BxKxGxH, pos_B, spec.page_size, s // spec.page_size
+    )
+    out = sparse_decode(q_BxNxH, cache["k"], cache["v"], pos_B, page_ids, layer, spec)
+    return out, page_ids

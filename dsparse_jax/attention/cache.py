@@ -15,60 +15,74 @@ from dsparse_jax.attention import selection
 from dsparse_jax.attention.spec import AttentionSpec, LayerInfo
 
 
-def init_layer_cache(batch: int, kv_heads: int, max_len: int, head_dim: int, dtype,
-                     layer: LayerInfo, spec: AttentionSpec) -> dict:
-  if max_len % spec.page_size:
-    raise ValueError(f"cache length {max_len} must be a multiple of the page size "
-                     f"{spec.page_size}")
-  shape = (batch, kv_heads, max_len, head_dim)
-  cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-  if spec.is_sparse_layer(layer):
-    num_pages = max_len // spec.page_size
-    cache.update(selection.init_summaries(spec.sparse.policy, batch, kv_heads, num_pages,
-                                          head_dim))
-  return cache
+def init_layer_cache(
+    batch: int,
+    kv_heads: int,
+    max_len: int,
+    head_dim: int,
+    dtype,
+    layer: LayerInfo,
+    spec: AttentionSpec,
+) -> dict:
+    if max_len % spec.page_size:
+        raise ValueError(
+            f"cache length {max_len} must be a multiple of the page size {spec.page_size}"
+        )
+    shape = (batch, kv_heads, max_len, head_dim)
+    cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    if spec.is_sparse_layer(layer):
+        num_pages = max_len // spec.page_size
+        cache.update(
+            selection.init_summaries(spec.sparse.policy, batch, kv_heads, num_pages, head_dim)
+        )
+    return cache
 
 
-def write_prefill(cache: dict, k_BxTxKxH, v_BxTxKxH, lengths_B, layer: LayerInfo,
-                  spec: AttentionSpec) -> dict:
-  """Writes a right-padded prompt batch at positions [0, T); entries >= length are junk
-  that decode overwrites before anything can see them (and summaries ignore them)."""
-  k_BxKxTxH = k_BxTxKxH.transpose(0, 2, 1, 3).astype(cache["k"].dtype)
-  v_BxKxTxH = v_BxTxKxH.transpose(0, 2, 1, 3).astype(cache["v"].dtype)
-  t = k_BxKxTxH.shape[2]
-  new = dict(cache)
-  new["k"] = cache["k"].at[:, :, :t].set(k_BxKxTxH)
-  new["v"] = cache["v"].at[:, :, :t].set(v_BxKxTxH)
-  if spec.is_sparse_layer(layer):
-    new.update(selection.summarize_prefill(spec.sparse.policy, new, k_BxKxTxH, lengths_B,
-                                           spec.page_size))
-  return new
+def write_prefill(
+    cache: dict, k_BxTxKxH, v_BxTxKxH, lengths_B, layer: LayerInfo, spec: AttentionSpec
+) -> dict:
+    """Writes a right-padded prompt batch at positions [0, T); entries >= length are junk
+    that decode overwrites before anything can see them (and summaries ignore them)."""
+    k_BxKxTxH = k_BxTxKxH.transpose(0, 2, 1, 3).astype(cache["k"].dtype)
+    v_BxKxTxH = v_BxTxKxH.transpose(0, 2, 1, 3).astype(cache["v"].dtype)
+    t = k_BxKxTxH.shape[2]
+    new = dict(cache)
+    new["k"] = cache["k"].at[:, :, :t].set(k_BxKxTxH)
+    new["v"] = cache["v"].at[:, :, :t].set(v_BxKxTxH)
+    if spec.is_sparse_layer(layer):
+        new.update(
+            selection.summarize_prefill(
+                spec.sparse.policy, new, k_BxKxTxH, lengths_B, spec.page_size
+            )
+        )
+    return new
 
 
-def write_decode(cache: dict, k_BxKxH, v_BxKxH, pos_B, layer: LayerInfo,
-                 spec: AttentionSpec) -> dict:
-  """Writes one token per sequence at its own position pos_B."""
-  rows = jnp.arange(k_BxKxH.shape[0])
-  new = dict(cache)
-  new["k"] = cache["k"].at[rows, :, pos_B].set(k_BxKxH.astype(cache["k"].dtype))
-  new["v"] = cache["v"].at[rows, :, pos_B].set(v_BxKxH.astype(cache["v"].dtype))
-  if spec.is_sparse_layer(layer):
-    new.update(selection.summarize_decode(spec.sparse.policy, cache, k_BxKxH, pos_B,
-                                          spec.page_size))
-  return new
+def write_decode(
+    cache: dict, k_BxKxH, v_BxKxH, pos_B, layer: LayerInfo, spec: AttentionSpec
+) -> dict:
+    """Writes one token per sequence at its own position pos_B."""
+    rows = jnp.arange(k_BxKxH.shape[0])
+    new = dict(cache)
+    new["k"] = cache["k"].at[rows, :, pos_B].set(k_BxKxH.astype(cache["k"].dtype))
+    new["v"] = cache["v"].at[rows, :, pos_B].set(v_BxKxH.astype(cache["v"].dtype))
+    if spec.is_sparse_layer(layer):
+        new.update(
+            selection.summarize_decode(spec.sparse.policy, cache, k_BxKxH, pos_B, spec.page_size)
+        )
+    return new
 
 
 def grow_layer_cache(cache: dict, max_len: int, page_size: int) -> dict:
-  """The same cache in a longer buffer of max_len positions: keys and values padded along
-  the position axis, page summaries along the page axis, with the zeros init_layer_cache
-  starts from (positions past a sequence's end are never read)."""
-  if max_len % page_size:
-    raise ValueError(f"cache length {max_len} must be a multiple of the page size "
-                     f"{page_size}")
-  new = {}
-  for name, x in cache.items():
-    target = max_len if name in ("k", "v") else max_len // page_size
-    if target < x.shape[2]:
-      raise ValueError(f"cannot shrink cache entry {name!r} from {x.shape[2]} to {target}")
-    new[name] = jnp.pad(x, ((0, 0), (0, 0), (0, target - x.shape[2]), (0, 0)))
-  return new
+    """The same cache in a longer buffer of max_len positions: keys and values padded along
+    the position axis, page summaries along the page axis, with the zeros init_layer_cache
+    starts from (positions past a sequence's end are never read)."""
+    if max_len % page_size:
+        raise ValueError(f"cache length {max_len} must be a multiple of the page size {page_size}")
+    new = {}
+    for name, x in cache.items():
+        target = max_len if name in ("k", "v") else max_len // page_size
+        if target < x.shape[2]:
+            raise ValueError(f"cannot shrink cache entry {name!r} from {x.shape[2]} to {target}")
+        new[name] = jnp.pad(x, ((0, 0), (0, 0), (0, target - x.shape[2]), (0, 0)))
+    return new

@@ -25,147 +25,156 @@ NO_PAGE = -1  # padding in page-id arrays (fewer valid pages than slots)
 
 
 # ----------------------------------------------------------------------------- summaries
-def init_summaries(policy: str, batch: int, kv_heads: int, num_pages: int,
-                   head_dim: int) -> dict:
-  shape = (batch, kv_heads, num_pages, head_dim)
-  if policy == "distillsparse":
-    return {"ksum": jnp.zeros(shape, jnp.float32)}
-  if policy == "quest":
-    return {"kmin": jnp.zeros(shape, jnp.float32), "kmax": jnp.zeros(shape, jnp.float32)}
-  return {}
-
-
-def summarize_prefill(policy: str, cache: dict, k_BxKxTxH, lengths_B,
-                      page_size: int) -> dict:
-  """Page summaries of a right-padded prompt batch (positions >= length ignored)."""
-  if policy == "streaming":
+def init_summaries(policy: str, batch: int, kv_heads: int, num_pages: int, head_dim: int) -> dict:
+    shape = (batch, kv_heads, num_pages, head_dim)
+    if policy == "distillsparse":
+        return {"ksum": jnp.zeros(shape, jnp.float32)}
+    if policy == "quest":
+        return {"kmin": jnp.zeros(shape, jnp.float32), "kmax": jnp.zeros(shape, jnp.float32)}
     return {}
-  b, kv, t, h = k_BxKxTxH.shape
-  pad = -t % page_size
-  k = jnp.pad(k_BxKxTxH.astype(jnp.float32), ((0, 0), (0, 0), (0, pad), (0, 0)))
-  n = (t + pad) // page_size
-  k_BxKxPxSxH = k.reshape(b, kv, n, page_size, h)
-  valid = (jnp.arange(t + pad) < lengths_B[:, None]).reshape(b, 1, n, page_size, 1)
-  out = {}
-  if policy == "distillsparse":
-    out["ksum"] = cache["ksum"].at[:, :, :n].set(jnp.where(valid, k_BxKxPxSxH, 0).sum(3))
-  else:
-    any_valid = valid.any(3)
-    kmin = jnp.where(valid, k_BxKxPxSxH, jnp.inf).min(3)
-    kmax = jnp.where(valid, k_BxKxPxSxH, -jnp.inf).max(3)
-    out["kmin"] = cache["kmin"].at[:, :, :n].set(jnp.where(any_valid, kmin, 0))
-    out["kmax"] = cache["kmax"].at[:, :, :n].set(jnp.where(any_valid, kmax, 0))
-  return out
+
+
+def summarize_prefill(policy: str, cache: dict, k_BxKxTxH, lengths_B, page_size: int) -> dict:
+    """Page summaries of a right-padded prompt batch (positions >= length ignored)."""
+    if policy == "streaming":
+        return {}
+    b, kv, t, h = k_BxKxTxH.shape
+    pad = -t % page_size
+    k = jnp.pad(k_BxKxTxH.astype(jnp.float32), ((0, 0), (0, 0), (0, pad), (0, 0)))
+    n = (t + pad) // page_size
+    k_BxKxPxSxH = k.reshape(b, kv, n, page_size, h)
+    valid = (jnp.arange(t + pad) < lengths_B[:, None]).reshape(b, 1, n, page_size, 1)
+    out = {}
+    if policy == "distillsparse":
+        out["ksum"] = cache["ksum"].at[:, :, :n].set(jnp.where(valid, k_BxKxPxSxH, 0).sum(3))
+    else:
+        any_valid = valid.any(3)
+        kmin = jnp.where(valid, k_BxKxPxSxH, jnp.inf).min(3)
+        kmax = jnp.where(valid, k_BxKxPxSxH, -jnp.inf).max(3)
+        out["kmin"] = cache["kmin"].at[:, :, :n].set(jnp.where(any_valid, kmin, 0))
+        out["kmax"] = cache["kmax"].at[:, :, :n].set(jnp.where(any_valid, kmax, 0))
+    return out
 
 
 def summarize_decode(policy: str, cache: dict, k_BxKxH, pos_B, page_size: int) -> dict:
-  """Adds one key per sequence (at position pos_B) to its page's summary."""
-  rows = jnp.arange(k_BxKxH.shape[0])
-  page_B = pos_B // page_size
-  k = k_BxKxH.astype(jnp.float32)
-  if policy == "distillsparse":
-    return {"ksum": cache["ksum"].at[rows, :, page_B].add(k)}
-  if policy == "quest":
-    first = (pos_B % page_size == 0)[:, None, None]  # a new page starts: reset
-    old_min = cache["kmin"][rows, :, page_B]
-    old_max = cache["kmax"][rows, :, page_B]
-    return {"kmin": cache["kmin"].at[rows, :, page_B].set(
-                jnp.where(first, k, jnp.minimum(old_min, k))),
-            "kmax": cache["kmax"].at[rows, :, page_B].set(
-                jnp.where(first, k, jnp.maximum(old_max, k)))}
-  return {}
+    """Adds one key per sequence (at position pos_B) to its page's summary."""
+    rows = jnp.arange(k_BxKxH.shape[0])
+    page_B = pos_B // page_size
+    k = k_BxKxH.astype(jnp.float32)
+    if policy == "distillsparse":
+        return {"ksum": cache["ksum"].at[rows, :, page_B].add(k)}
+    if policy == "quest":
+        first = (pos_B % page_size == 0)[:, None, None]  # a new page starts: reset
+        old_min = cache["kmin"][rows, :, page_B]
+        old_max = cache["kmax"][rows, :, page_B]
+        return {
+            "kmin": cache["kmin"]
+            .at[rows, :, page_B]
+            .set(jnp.where(first, k, jnp.minimum(old_min, k))),
+            "kmax": cache["kmax"]
+            .at[rows, :, page_B]
+            .set(jnp.where(first, k, jnp.maximum(old_max, k))),
+        }
+    return {}
 
 
 # ----------------------------------------------------------------------------- selection
 def budget_for(spec: SparseSpec, context_len_B):
-  """Pages to read per sequence for a context of context_len_B tokens."""
-  if not spec.budget_schedule:
-    return jnp.full_like(context_len_B, spec.budget)
-  bounds = jnp.array([b for b, _ in spec.budget_schedule], jnp.int32)
-  pages = jnp.array([p for _, p in spec.budget_schedule], jnp.int32)
-  idx = jnp.searchsorted(bounds, context_len_B, side="left")
-  return pages[jnp.minimum(idx, len(spec.budget_schedule) - 1)]
+    """Pages to read per sequence for a context of context_len_B tokens."""
+    if not spec.budget_schedule:
+        return jnp.full_like(context_len_B, spec.budget)
+    bounds = jnp.array([b for b, _ in spec.budget_schedule], jnp.int32)
+    pages = jnp.array([p for _, p in spec.budget_schedule], jnp.int32)
+    idx = jnp.searchsorted(bounds, context_len_B, side="left")
+    return pages[jnp.minimum(idx, len(spec.budget_schedule) - 1)]
 
 
 def page_scores(policy: str, summaries: dict, q_BxKxGxH, pos_B, page_size: int):
-  """Selection score of every page, [B, K, num_pages] f32 (higher = more relevant)."""
-  q = q_BxKxGxH.astype(jnp.float32).mean(2)  # average over the GQA group
-  if policy == "distillsparse":
-    ksum = summaries["ksum"]
-    num_pages = ksum.shape[2]
-    start = jnp.arange(num_pages) * page_size
-    count = jnp.clip(pos_B[:, None] + 1 - start[None], 1, page_size)  # [B, P]
-    return jnp.einsum("bkh,bkph->bkp", q, ksum) / count[:, None, :]
-  if policy == "quest":
-    # sum_i max(q_i m_i, q_i M_i) with m <= M is sum_i (q_i > 0 ? q_i M_i : q_i m_i):
-    # the same products, as two dot products instead of two [B, K, P, H] temporaries.
-    return (jnp.einsum("bkh,bkph->bkp", jnp.maximum(q, 0.0), summaries["kmax"])
-            + jnp.einsum("bkh,bkph->bkp", jnp.minimum(q, 0.0), summaries["kmin"]))
-  raise ValueError(f"policy {policy!r} has no page scores")
+    """Selection score of every page, [B, K, num_pages] f32 (higher = more relevant)."""
+    q = q_BxKxGxH.astype(jnp.float32).mean(2)  # average over the GQA group
+    if policy == "distillsparse":
+        ksum = summaries["ksum"]
+        num_pages = ksum.shape[2]
+        start = jnp.arange(num_pages) * page_size
+        count = jnp.clip(pos_B[:, None] + 1 - start[None], 1, page_size)  # [B, P]
+        return jnp.einsum("bkh,bkph->bkp", q, ksum) / count[:, None, :]
+    if policy == "quest":
+        # sum_i max(q_i m_i, q_i M_i) with m <= M is sum_i (q_i > 0 ? q_i M_i : q_i m_i):
+        # the same products, as two dot products instead of two [B, K, P, H] temporaries.
+        return jnp.einsum("bkh,bkph->bkp", jnp.maximum(q, 0.0), summaries["kmax"]) + jnp.einsum(
+            "bkh,bkph->bkp", jnp.minimum(q, 0.0), summaries["kmin"]
+        )
+    raise ValueError(f"policy {policy!r} has no page scores")
 
 
-def select_pages(spec: SparseSpec, summaries: dict, q_BxKxGxH, pos_B, page_size: int,
-                 num_pages: int):
-  """Page ids read by a decode step whose query sits at position pos_B.
+def select_pages(
+    spec: SparseSpec, summaries: dict, q_BxKxGxH, pos_B, page_size: int, num_pages: int
+):
+    """Page ids read by a decode step whose query sits at position pos_B.
 
-  Returns int32 [B, K, spec.max_pages]: reserved pages first, then the top-scoring ones in
-  decreasing score; slots past the budget (or past the number of existing pages) hold
-  NO_PAGE. When the budget covers every existing page, every page is selected.
-  """
-  kv = q_BxKxGxH.shape[1]
-  cur_B = pos_B // page_size
-  if spec.policy == "streaming":
-    return _streaming_pages(spec, pos_B, page_size, kv, num_pages)
-  page = jnp.arange(num_pages)[None, :]
-  exists = page <= cur_B[:, None]
-  reserved = (page < spec.sink_pages) | (page > cur_B[:, None] - spec.recent_pages)
-  scores = page_scores(spec.policy, summaries, q_BxKxGxH, pos_B, page_size)
-  scores = jnp.where(reserved[:, None], jnp.inf, scores)
-  scores = jnp.where(exists[:, None], scores, -jnp.inf)
-  k = min(spec.max_pages, num_pages)
-  _, ids = jax.lax.top_k(scores, k)
-  n_read = jnp.minimum(budget_for(spec, pos_B + 1), cur_B + 1)  # [B]
-  slot = jnp.arange(k)[None, None, :]
-  ids = jnp.where(slot < n_read[:, None, None], ids, NO_PAGE).astype(jnp.int32)
-  if k < spec.max_pages:
-    ids = jnp.pad(ids, ((0, 0), (0, 0), (0, spec.max_pages - k)), constant_values=NO_PAGE)
-  return ids
+    Returns int32 [B, K, spec.max_pages]: reserved pages first, then the top-scoring ones in
+    decreasing score; slots past the budget (or past the number of existing pages) hold
+    NO_PAGE. When the budget covers every existing page, every page is selected.
+    """
+    kv = q_BxKxGxH.shape[1]
+    cur_B = pos_B // page_size
+    if spec.policy == "streaming":
+        return _streaming_pages(spec, pos_B, page_size, kv, num_pages)
+    page = jnp.arange(num_pages)[None, :]
+    exists = page <= cur_B[:, None]
+    reserved = (page < spec.sink_pages) | (page > cur_B[:, None] - spec.recent_pages)
+    scores = page_scores(spec.policy, summaries, q_BxKxGxH, pos_B, page_size)
+    scores = jnp.where(reserved[:, None], jnp.inf, scores)
+    scores = jnp.where(exists[:, None], scores, -jnp.inf)
+    k = min(spec.max_pages, num_pages)
+    _, ids = jax.lax.top_k(scores, k)
+    n_read = jnp.minimum(budget_for(spec, pos_B + 1), cur_B + 1)  # [B]
+    slot = jnp.arange(k)[None, None, :]
+    ids = jnp.where(slot < n_read[:, None, None], ids, NO_PAGE).astype(jnp.int32)
+    if k < spec.max_pages:
+        ids = jnp.pad(ids, ((0, 0), (0, 0), (0, spec.max_pages - k)), constant_values=NO_PAGE)
+    return ids
 
 
-def _streaming_pages(spec: SparseSpec, pos_B, page_size: int, kv_heads: int,
-                     num_pages: int):
-  """select_pages for the streaming policy in closed form (no scores, no top_k).
+def _streaming_pages(spec: SparseSpec, pos_B, page_size: int, kv_heads: int, num_pages: int):
+    """select_pages for the streaming policy in closed form (no scores, no top_k).
 
-  Streaming ranks the existing pages by index with the reserved ones on top, so the
-  top-k order is: the reserved pages in increasing index (sink pages, then the recent
-  ones up to the current page), then the other existing pages from the newest down;
-  slots past the budget (never past the existing pages) hold NO_PAGE.
-  """
-  cur = (pos_B // page_size)[:, None]  # [B, 1]
-  k = min(spec.max_pages, num_pages)
-  slot = jnp.arange(k)[None, :]  # [1, k]
-  n_sink = jnp.minimum(spec.sink_pages, cur + 1)  # existing sink pages
-  first_recent = jnp.maximum(spec.sink_pages, cur - spec.recent_pages + 1)
-  n_reserved = n_sink + jnp.maximum(cur - first_recent + 1, 0)
-  ids = jnp.where(slot < n_sink, slot,
-                  jnp.where(slot < n_reserved, first_recent + (slot - n_sink),
-                            cur - spec.recent_pages - (slot - n_reserved)))
-  n_read = jnp.minimum(budget_for(spec, pos_B + 1)[:, None], cur + 1)
-  ids = jnp.where(slot < n_read, ids, NO_PAGE).astype(jnp.int32)
-  ids = jnp.broadcast_to(ids[:, None, :], (ids.shape[0], kv_heads, k))
-  if k < spec.max_pages:
-    ids = jnp.pad(ids, ((0, 0), (0, 0), (0, spec.max_pages - k)), constant_values=NO_PAGE)
-  return ids
+    Streaming ranks the existing pages by index with the reserved ones on top, so the
+    top-k order is: the reserved pages in increasing index (sink pages, then the recent
+    ones up to the current page), then the other existing pages from the newest down;
+    slots past the budget (never past the existing pages) hold NO_PAGE.
+    """
+    cur = (pos_B // page_size)[:, None]  # [B, 1]
+    k = min(spec.max_pages, num_pages)
+    slot = jnp.arange(k)[None, :]  # [1, k]
+    n_sink = jnp.minimum(spec.sink_pages, cur + 1)  # existing sink pages
+    first_recent = jnp.maximum(spec.sink_pages, cur - spec.recent_pages + 1)
+    n_reserved = n_sink + jnp.maximum(cur - first_recent + 1, 0)
+    ids = jnp.where(
+        slot < n_sink,
+        slot,
+        jnp.where(
+            slot < n_reserved,
+            first_recent + (slot - n_sink),
+            cur - spec.recent_pages - (slot - n_reserved),
+        ),
+    )
+    n_read = jnp.minimum(budget_for(spec, pos_B + 1)[:, None], cur + 1)
+    ids = jnp.where(slot < n_read, ids, NO_PAGE).astype(jnp.int32)
+    ids = jnp.broadcast_to(ids[:, None, :], (ids.shape[0], kv_heads, k))
+    if k < spec.max_pages:
+        ids = jnp.pad(ids, ((0, 0), (0, 0), (0, spec.max_pages - k)), constant_values=NO_PAGE)
+    return ids
 
 
 def allowed_key_mask(page_ids_BxTxKxP, sparse_query_BxT, seq_len: int, page_size: int):
-  """Teacher-forced twin of a decode step: key j is visible to query i in KV head k iff
-  j's page is among the pages recorded for (i, k); queries not flagged sparse (prompt
-  positions, as in the dense prefill) see every page. Returns bool [B, K, T, T]
-  (the causal mask is applied separately)."""
-  num_pages = -(-seq_len // page_size)
-  hit = page_ids_BxTxKxP[..., None] == jnp.arange(num_pages)  # [B, T, K, P, NP]
-  page_ok_BxTxKxNP = hit.any(3)
-  key_ok = jnp.repeat(page_ok_BxTxKxNP, page_size, axis=-1)[..., :seq_len]  # [B, T, K, T]
-  key_ok = key_ok | ~sparse_query_BxT[:, :, None, None]
-  return key_ok.transpose(0, 2, 1, 3)
+    """Teacher-forced twin of a decode step: key j is visible to query i in KV head k iff
+    j's page is among the pages recorded for (i, k); queries not flagged sparse (prompt
+    positions, as in the dense prefill) see every page. Returns bool [B, K, T, T]
+    (the causal mask is applied separately)."""
+    num_pages = -(-seq_len // page_size)
+    hit = page_ids_BxTxKxP[..., None] == jnp.arange(num_pages)  # [B, T, K, P, NP]
+    page_ok_BxTxKxNP = hit.any(3)
+    key_ok = jnp.repeat(page_ok_BxTxKxNP, page_size, axis=-1)[..., :seq_len]  # [B, T, K, T]
+    key_ok = key_ok | ~sparse_query_BxT[:, :, None, None]
+    return key_ok.transpose(0, 2, 1, 3)

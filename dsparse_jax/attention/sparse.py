@@ -15,57 +15,61 @@ from dsparse_jax.attention.spec import LayerInfo
 
 
 def _page_rows(page_ids_BxKxP, num_pages: int):
-  """Row of each selected page in the cache viewed as [B * K * num_pages, page_size * H]
-  (NO_PAGE -> page 0; those slots are masked by the caller)."""
-  b, kv, _ = page_ids_BxKxP.shape
-  base = (jnp.arange(b * kv, dtype=jnp.int32) * num_pages).reshape(b, kv, 1)
-  return base + jnp.maximum(page_ids_BxKxP, 0).astype(jnp.int32)
+    """Row of each selected page in the cache viewed as [B * K * num_pages, page_size * H]
+    (NO_PAGE -> page 0; those slots are masked by the caller)."""
+    b, kv, _ = page_ids_BxKxP.shape
+    base = (jnp.arange(b * kv, dtype=jnp.int32) * num_pages).reshape(b, kv, 1)
+    return base + jnp.maximum(page_ids_BxKxP, 0).astype(jnp.int32)
 
 
 def _gather_rows(x_BxKxSxH, rows_BxKxP, page_size: int):
-  """The pages at rows_BxKxP as [B, K, P * page_size, H]: one contiguous page_size * H
-  row per page (a row gather; rows are in range by construction, clip mode only guards
-  against invalid page ids)."""
-  b, kv, s, h = x_BxKxSxH.shape
-  p = rows_BxKxP.shape[-1]
-  flat = x_BxKxSxH.reshape(b * kv * (s // page_size), page_size * h)
-  dnums = jax.lax.GatherDimensionNumbers(offset_dims=(3,), collapsed_slice_dims=(0,),
-                                         start_index_map=(0,))
-  out = jax.lax.gather(flat, rows_BxKxP[..., None], dnums, (1, page_size * h),
-                       mode=jax.lax.GatherScatterMode.CLIP)
-  return out.reshape(b, kv, p * page_size, h)
+    """The pages at rows_BxKxP as [B, K, P * page_size, H]: one contiguous page_size * H
+    row per page (a row gather; rows are in range by construction, clip mode only guards
+    against invalid page ids)."""
+    b, kv, s, h = x_BxKxSxH.shape
+    p = rows_BxKxP.shape[-1]
+    flat = x_BxKxSxH.reshape(b * kv * (s // page_size), page_size * h)
+    dnums = jax.lax.GatherDimensionNumbers(
+        offset_dims=(3,), collapsed_slice_dims=(0,), start_index_map=(0,)
+    )
+    out = jax.lax.gather(
+        flat, rows_BxKxP[..., None], dnums, (1, page_size * h), mode=jax.lax.GatherScatterMode.CLIP
+    )
+    return out.reshape(b, kv, p * page_size, h)
 
 
-def sparse_decode_attention(q_BxNxH, k_BxKxSxH, v_BxKxSxH, pos_B, page_ids_BxKxP,
-                            layer: LayerInfo, page_size: int):
-  """Decode attention restricted to the selected pages (global layers: no window)."""
-  b, n, h = q_BxNxH.shape
-  kv, s = k_BxKxSxH.shape[1], k_BxKxSxH.shape[2]
-  p = page_ids_BxKxP.shape[-1]
-  q_BxKxGxH = q_BxNxH.reshape(b, kv, n // kv, h) * layer.scale
-  # The pages are read in increasing address order (attention over a set of keys does
-  # not depend on their order, up to float rounding). Sorting also materialises the row
-  # indices: XLA does not fuse a sort into the gathers, which would otherwise re-derive
-  # each page's row (selection masking, NO_PAGE handling) for every gathered element;
-  # on XLA:CPU that halves the cost of the two gathers, the largest part of a sparse
-  # step at long context.
-  rows_BxKxP, ids_BxKxP = jax.lax.sort(
-      (_page_rows(page_ids_BxKxP, s // page_size), page_ids_BxKxP.astype(jnp.int32)),
-      dimension=2, num_keys=1)
-  k_BxKxTxH = _gather_rows(k_BxKxSxH, rows_BxKxP, page_size)
-  v_BxKxTxH = _gather_rows(v_BxKxSxH, rows_BxKxP, page_size)
-  # Key-major product ([T, H] . [H, G] per row, the gathered keys as the left operand, as
-  # in dense.decode_attention), then a transpose of the small [T, G] result: on XLA:CPU
-  # about 2x faster than contracting into [G, T] directly (in the decode step at B = 32,
-  # 512 keys: 0.22-0.40 vs 0.59-0.82 ms per layer).
-  logits = jnp.einsum("bkth,bkgh->bktg", k_BxKxTxH, q_BxKxGxH,
-                      preferred_element_type=jnp.float32)
-  logits = jnp.swapaxes(softcap(logits, layer.softcap), 2, 3)
-  key_pos = (ids_BxKxP[..., None] * page_size + jnp.arange(page_size)).reshape(
-      b, kv, p * page_size)
-  ok = (jnp.repeat(ids_BxKxP != NO_PAGE, page_size, axis=-1)
-        & (key_pos <= pos_B[:, None, None]))
-  logits = jnp.where(ok[:, :, None], logits, MASK_VALUE)
-  probs = jax.nn.softmax(logits, axis=-1).astype(v_BxKxSxH.dtype)
-  out = jnp.einsum("bkgt,bkth->bkgh", probs, v_BxKxTxH)
-  return out.reshape(b, n, h)
+def sparse_decode_attention(
+    q_BxNxH, k_BxKxSxH, v_BxKxSxH, pos_B, page_ids_BxKxP, layer: LayerInfo, page_size: int
+):
+    """Decode attention restricted to the selected pages (global layers: no window)."""
+    b, n, h = q_BxNxH.shape
+    kv, s = k_BxKxSxH.shape[1], k_BxKxSxH.shape[2]
+    p = page_ids_BxKxP.shape[-1]
+    q_BxKxGxH = q_BxNxH.reshape(b, kv, n // kv, h) * layer.scale
+    # The pages are read in increasing address order (attention over a set of keys does
+    # not depend on their order, up to float rounding). Sorting also materialises the row
+    # indices: XLA does not fuse a sort into the gathers, which would otherwise re-derive
+    # each page's row (selection masking, NO_PAGE handling) for every gathered element;
+    # on XLA:CPU that halves the cost of the two gathers, the largest part of a sparse
+    # step at long context.
+    rows_BxKxP, ids_BxKxP = jax.lax.sort(
+        (_page_rows(page_ids_BxKxP, s // page_size), page_ids_BxKxP.astype(jnp.int32)),
+        dimension=2,
+        num_keys=1,
+    )
+    k_BxKxTxH = _gather_rows(k_BxKxSxH, rows_BxKxP, page_size)
+    v_BxKxTxH = _gather_rows(v_BxKxSxH, rows_BxKxP, page_size)
+    # Key-major product ([T, H] . [H, G] per row, the gathered keys as the left operand, as
+    # in dense.decode_attention), then a transpose of the small [T, G] result: on XLA:CPU
+    # about 2x faster than contracting into [G, T] directly (in the decode step at B = 32,
+    # 512 keys: 0.22-0.40 vs 0.59-0.82 ms per layer).
+    logits = jnp.einsum("bkth,bkgh->bktg", k_BxKxTxH, q_BxKxGxH, preferred_element_type=jnp.float32)
+    logits = jnp.swapaxes(softcap(logits, layer.softcap), 2, 3)
+    key_pos = (ids_BxKxP[..., None] * page_size + jnp.arange(page_size)).reshape(
+        b, kv, p * page_size
+    )
+    ok = jnp.repeat(ids_BxKxP != NO_PAGE, page_size, axis=-1) & (key_pos <= pos_B[:, None, None])
+    logits = jnp.where(ok[:, :, None], logits, MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v_BxKxSxH.dtype)
+    out = jnp.einsum("bkgt,bkth->bkgh", probs, v_BxKxTxH)
+    return out.reshape(b, n, h)

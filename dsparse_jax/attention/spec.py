@@ -15,71 +15,75 @@ POLICIES = ("distillsparse", "quest", "streaming")
 
 @dataclasses.dataclass(frozen=True)
 class SparseSpec:
-  """Block-sparse decode: each step reads `budget` KV pages per (sequence, KV head).
+    """Block-sparse decode: each step reads `budget` KV pages per (sequence, KV head).
 
-  budget counts every page read, the reserved sink and recent pages included.
-  budget_schedule: optional ((context_upper_bound, pages), ...) sorted by bound; the
-  first bin whose bound is >= the context length gives the budget, past the last bin the
-  last entry's pages apply (Sparrow's length-dependent budgets).
-  """
+    budget counts every page read, the reserved sink and recent pages included.
+    budget_schedule: optional ((context_upper_bound, pages), ...) sorted by bound; the
+    first bin whose bound is >= the context length gives the budget, past the last bin the
+    last entry's pages apply (Sparrow's length-dependent budgets).
+    """
 
-  policy: str = "distillsparse"
-  budget: int = 32
-  budget_schedule: tuple[tuple[int, int], ...] = ()
-  sink_pages: int = 1
-  recent_pages: int = 2
-  dense_layers: int = 2
+    policy: str = "distillsparse"
+    budget: int = 32
+    budget_schedule: tuple[tuple[int, int], ...] = ()
+    sink_pages: int = 1
+    recent_pages: int = 2
+    dense_layers: int = 2
 
-  def __post_init__(self):
-    if self.policy not in POLICIES:
-      raise ValueError(f"SparseSpec.policy must be one of {POLICIES}, got {self.policy!r}")
-    reserved = self.sink_pages + self.recent_pages
-    for pages in (self.budget, *(p for _, p in self.budget_schedule)):
-      if pages < reserved:
-        raise ValueError(
-            f"SparseSpec.budget ({pages}) must be >= sink_pages + recent_pages ({reserved})")
-    if self.recent_pages < 1:
-      raise ValueError("SparseSpec.recent_pages must be >= 1 (the current page)")
-    if self.dense_layers < 0:
-      raise ValueError("SparseSpec.dense_layers must be >= 0")
-    bounds = [b for b, _ in self.budget_schedule]
-    if bounds != sorted(bounds):
-      raise ValueError("SparseSpec.budget_schedule bounds must be increasing")
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"SparseSpec.policy must be one of {POLICIES}, got {self.policy!r}")
+        reserved = self.sink_pages + self.recent_pages
+        for pages in (self.budget, *(p for _, p in self.budget_schedule)):
+            if pages < reserved:
+                raise ValueError(
+                    f"SparseSpec.budget ({pages}) must be >= sink_pages + recent_pages ({reserved})"
+                )
+        if self.recent_pages < 1:
+            raise ValueError("SparseSpec.recent_pages must be >= 1 (the current page)")
+        if self.dense_layers < 0:
+            raise ValueError("SparseSpec.dense_layers must be >= 0")
+        bounds = [b for b, _ in self.budget_schedule]
+        if bounds != sorted(bounds):
+            raise ValueError("SparseSpec.budget_schedule bounds must be increasing")
 
-  @property
-  def max_pages(self) -> int:
-    """Static size of the page-id array: the largest budget any bin can ask for."""
-    return max([self.budget, *(p for _, p in self.budget_schedule)])
+    @property
+    def max_pages(self) -> int:
+        """Static size of the page-id array: the largest budget any bin can ask for."""
+        return max([self.budget, *(p for _, p in self.budget_schedule)])
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
-  """How attention is computed. sparse=None means dense everywhere."""
+    """How attention is computed. sparse=None means dense everywhere."""
 
-  impl: str = "xla"
-  page_size: int = 16
-  sparse: SparseSpec | None = None
+    impl: str = "xla"
+    page_size: int = 16
+    sparse: SparseSpec | None = None
 
-  def __post_init__(self):
-    if self.impl not in IMPLS:
-      raise ValueError(f"AttentionSpec.impl must be one of {IMPLS}, got {self.impl!r}")
-    if self.page_size <= 0:
-      raise ValueError("AttentionSpec.page_size must be positive")
+    def __post_init__(self):
+        if self.impl not in IMPLS:
+            raise ValueError(f"AttentionSpec.impl must be one of {IMPLS}, got {self.impl!r}")
+        if self.page_size <= 0:
+            raise ValueError("AttentionSpec.page_size must be positive")
 
-  def is_sparse_layer(self, layer: "LayerInfo") -> bool:
-    """Sparse layers: global (no sliding window) layers past the first dense_layers."""
-    return (self.sparse is not None and layer.window is None
-            and layer.index >= self.sparse.dense_layers)
+    def is_sparse_layer(self, layer: "LayerInfo") -> bool:
+        """Sparse layers: global (no sliding window) layers past the first dense_layers."""
+        return (
+            self.sparse is not None
+            and layer.window is None
+            and layer.index >= self.sparse.dense_layers
+        )
 
-  def dense(self) -> "AttentionSpec":
-    return dataclasses.replace(self, sparse=None)
+    def dense(self) -> "AttentionSpec":
+        return dataclasses.replace(self, sparse=None)
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerInfo:
-  """What attention needs to know about one layer (static)."""
+    """What attention needs to know about one layer (static)."""
 
-  index: int
-  window: int | None  # sliding window in tokens, None for global layers
-  softcap: float | None
-  scale: float
+    index: int
+    window: int | None  # sliding window in tokens, None for global layers
+    softcap: float | None
+    scale: float

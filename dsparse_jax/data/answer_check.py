@@ -16,6 +16,7 @@ pathological expression (e.g. 9^{9^{9^9}}) is killed with its worker and graded 
 and the worker restarts on the next call. Only a whitelisted character set and a fixed
 set of function names reach sympy's parser.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -47,7 +48,7 @@ def _balanced(text: str, start: int) -> str | None:
         elif c == "}" and (i == 0 or text[i - 1] != "\\"):
             depth -= 1
             if depth == 0:
-                return text[start + 1:i]
+                return text[start + 1 : i]
     return None
 
 
@@ -76,7 +77,7 @@ def extract_boxed(text: str) -> str | None:
         if j < len(text) and text[j] == "{":
             closing = _closing_braces(text) if closing is None else closing
             if j in closing:
-                return text[j + 1:closing[j]].strip()
+                return text[j + 1 : closing[j]].strip()
         elif j > m.end():  # "\boxed 5"
             tok = re.match(r"[^\s$]+", text[j:])
             if tok:
@@ -241,8 +242,7 @@ def _bracketed(s: str):
 # ---------------------------------------------------------------------- equivalence
 
 
-def is_equivalent(pred, ref, timeout: float = SYMBOLIC_TIMEOUT_S,
-                  symbolic: bool = True) -> bool:
+def is_equivalent(pred, ref, timeout: float = SYMBOLIC_TIMEOUT_S, symbolic: bool = True) -> bool:
     """Whether answer `pred` equals reference `ref`. False on anything unparseable."""
     try:
         if pred is None or ref is None:
@@ -267,14 +267,14 @@ def _equivalent(pred: str, ref: str, timeout: float, symbolic: bool, depth: int)
     if depth < 2:
         sets = [s[2:-2] for s in (a, b) if s.startswith("\\{") and s.endswith("\\}")]
         if len(sets) == 2:  # \{1, 2\}: a set, any order
-            return _same_elements(_split_top(sets[0]), _split_top(sets[1]), timeout,
-                                  symbolic, depth)
+            return _same_elements(
+                _split_top(sets[0]), _split_top(sets[1]), timeout, symbolic, depth
+            )
         ga, gb = _bracketed(a), _bracketed(b)
         if ga and gb:  # tuples / intervals: brackets and elements in order
             ea, eb = _split_top(ga[1]), _split_top(gb[1])
             if len(ea) == len(eb) and (ga[0], ga[2]) == (gb[0], gb[2]):
-                return all(_equivalent(p, q, timeout, symbolic, depth + 1)
-                           for p, q in zip(ea, eb))
+                return all(_equivalent(p, q, timeout, symbolic, depth + 1) for p, q in zip(ea, eb))
             return False
         ea, eb = _split_top(a), _split_top(b)
         if len(ea) > 1 or len(eb) > 1:  # solution sets: any order
@@ -293,8 +293,9 @@ def _same_elements(ea, eb, timeout, symbolic, depth) -> bool:
         return False
     left = list(eb)
     for p in ea:
-        hit = next((i for i, q in enumerate(left)
-                    if _equivalent(p, q, timeout, symbolic, depth + 1)), None)
+        hit = next(
+            (i for i, q in enumerate(left) if _equivalent(p, q, timeout, symbolic, depth + 1)), None
+        )
         if hit is None:
             return False
         left.pop(hit)
@@ -302,13 +303,44 @@ def _same_elements(ea, eb, timeout, symbolic, depth) -> bool:
 
 
 # ------------------------------------------------------------ LaTeX -> sympy source
-_FUNCS = {"sqrt", "sin", "cos", "tan", "log", "exp", "pi", "oo", "asin", "acos", "atan",
-          "sec", "csc", "cot", "Abs", "E", "I"}
-_LATEX_NAMES = {"\\pi": " pi ", "\\infty": " oo ", "\\cdot": "*", "\\times": "*",
-                "\\div": "/", "\\ln": " log ", "\\log": " log ", "\\sin": " sin ",
-                "\\cos": " cos ", "\\tan": " tan ", "\\exp": " exp ", "\\arcsin": " asin ",
-                "\\arccos": " acos ", "\\arctan": " atan ", "\\sec": " sec ", "\\csc": " csc ",
-                "\\cot": " cot "}
+_FUNCS = {
+    "sqrt",
+    "sin",
+    "cos",
+    "tan",
+    "log",
+    "exp",
+    "pi",
+    "oo",
+    "asin",
+    "acos",
+    "atan",
+    "sec",
+    "csc",
+    "cot",
+    "Abs",
+    "E",
+    "I",
+}
+_LATEX_NAMES = {
+    "\\pi": " pi ",
+    "\\infty": " oo ",
+    "\\cdot": "*",
+    "\\times": "*",
+    "\\div": "/",
+    "\\ln": " log ",
+    "\\log": " log ",
+    "\\sin": " sin ",
+    "\\cos": " cos ",
+    "\\tan": " tan ",
+    "\\exp": " exp ",
+    "\\arcsin": " asin ",
+    "\\arccos": " acos ",
+    "\\arctan": " atan ",
+    "\\sec": " sec ",
+    "\\csc": " csc ",
+    "\\cot": " cot ",
+}
 
 
 def _replace_cmd_args(s: str, cmd: str, nargs: int, fmt) -> str | None:
@@ -323,7 +355,7 @@ def _replace_cmd_args(s: str, cmd: str, nargs: int, fmt) -> str | None:
             k = s.find("]", j)
             if k < 0:
                 return None
-            opt, j = s[j + 1:k], k + 1
+            opt, j = s[j + 1 : k], k + 1
         args = []
         for _ in range(nargs):
             arg, j = _frac_arg(s, j)
@@ -340,8 +372,9 @@ def latex_to_sympy(s: str) -> str | None:
     s = _replace_cmd_args(s, "\\frac", 2, lambda a, _: f"(({a[0]})/({a[1]}))")
     if s is None:
         return None
-    s = _replace_cmd_args(s, "\\sqrt", 1, lambda a, n: f"(({a[0]})**(1/({n})))" if n
-                          else f"sqrt({a[0]})")
+    s = _replace_cmd_args(
+        s, "\\sqrt", 1, lambda a, n: f"(({a[0]})**(1/({n})))" if n else f"sqrt({a[0]})"
+    )
     if s is None:
         return None
     for k in sorted(_LATEX_NAMES, key=len, reverse=True):
@@ -356,6 +389,7 @@ def latex_to_sympy(s: str) -> str | None:
     def ident(m):
         w = m.group(0)
         return w if w in _FUNCS else "*".join(w)  # xy -> x*y
+
     return re.sub(r"[a-zA-Z]+", ident, s)
 
 
@@ -377,9 +411,14 @@ class _Worker:
         env.pop("XLA_FLAGS", None)
         self.warm = False
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dsparse_jax.data.answer_check"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
-            bufsize=1)
+            [sys.executable, "-m", "dsparse_jax.data.answer_check"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            text=True,
+            bufsize=1,
+        )
 
     def _kill(self):
         if self.proc is not None:
@@ -400,8 +439,9 @@ class _Worker:
                 self.proc.stdin.write(json.dumps([a, b]) + "\n")
                 self.proc.stdin.flush()
                 # The first call also pays the worker's start-up (sympy import).
-                ready, _, _ = select.select([self.proc.stdout], [], [],
-                                            timeout + (0.0 if self.warm else 10.0))
+                ready, _, _ = select.select(
+                    [self.proc.stdout], [], [], timeout + (0.0 if self.warm else 10.0)
+                )
                 if not ready:
                     self._kill()
                     return False
@@ -435,13 +475,19 @@ def _sympy_equal(a: str, b: str) -> bool:
 
     import sympy  # pylint: disable=import-outside-toplevel
     from sympy.parsing.sympy_parser import (  # pylint: disable=import-outside-toplevel
-        implicit_multiplication_application, parse_expr, standard_transformations)
+        implicit_multiplication_application,
+        parse_expr,
+        standard_transformations,
+    )
+
     tr = standard_transformations + (implicit_multiplication_application,)
     ns = {name: getattr(sympy, name) for name in _FUNCS}
     # Every other letter is a plain symbol (not sympy's N, S, O, Q objects).
     ns.update({c: sympy.Symbol(c) for c in set(re.findall(r"[a-zA-Z]", a + b)) - set(ns)})
-    x, y = parse_expr(a, transformations=tr, local_dict=ns), parse_expr(
-        b, transformations=tr, local_dict=ns)
+    x, y = (
+        parse_expr(a, transformations=tr, local_dict=ns),
+        parse_expr(b, transformations=tr, local_dict=ns),
+    )
     if sympy.simplify(x - y) == 0:
         return True
     free = sorted((x - y).free_symbols, key=str)
@@ -468,15 +514,20 @@ def _worker_main():
 # ------------------------------------------------------------------------- grading
 
 
-def grade(completion: str, reference, timeout: float = SYMBOLIC_TIMEOUT_S,
-          fallback_last_number: bool = False) -> bool:
+def grade(
+    completion: str,
+    reference,
+    timeout: float = SYMBOLIC_TIMEOUT_S,
+    fallback_last_number: bool = False,
+) -> bool:
     """True iff the completion's final answer is equivalent to `reference`."""
     pred = extract_answer(completion, fallback_last_number)
     return pred is not None and is_equivalent(pred, reference, timeout)
 
 
-def math_reward(completion: str, reference, format_reward: float = 0.0,
-                timeout: float = SYMBOLIC_TIMEOUT_S) -> float:
+def math_reward(
+    completion: str, reference, format_reward: float = 0.0, timeout: float = SYMBOLIC_TIMEOUT_S
+) -> float:
     """1 if right, `format_reward` if an answer was given but is wrong, else 0."""
     pred = extract_answer(completion)
     if pred is None:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsparse_jax.data.math_task import (ChainTaskConfig, Problem, max_prompt_chars,
-                                        max_solution_chars)
+from dsparse_jax.data.math_task import (
+    ChainTaskConfig,
+    Problem,
+    max_prompt_chars,
+    max_solution_chars,
+)
 from dsparse_jax.data.tokenizer import Tokenizer
 
 
@@ -46,6 +50,6 @@ def encode_sft(tok: Tokenizer, problems: list[Problem], width: int):
         seq = prompt + target
         if len(seq) > width:
             raise ValueError(f"problem {i}: {len(seq)} tokens exceed the buffer {width}")
-        tokens[i, :len(seq)] = seq
-        mask[i, len(prompt):len(seq)] = 1.0
+        tokens[i, : len(seq)] = seq
+        mask[i, len(prompt) : len(seq)] = 1.0
     return tokens, mask

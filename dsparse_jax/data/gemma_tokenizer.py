@@ -10,6 +10,7 @@ ends its turn with `<end_of_turn>`, so with `chat=True` that piece is the stop t
 sampler sees as `eos_id` (decoding stops at it or at `<eos>`). The special markers are
 inserted by id, whether or not the SentencePiece model itself recognises them in text.
 """
+
 from __future__ import annotations
 
 import io
@@ -25,8 +26,9 @@ from dsparse_jax.data.tokenizer import Tokenizer
 START_OF_TURN = "<start_of_turn>"
 END_OF_TURN = "<end_of_turn>"
 CHAT_TOKENS = (START_OF_TURN, END_OF_TURN)
-MATH_INSTRUCTION = ("Solve the following math problem step by step. "
-                    "Put your final answer within \\boxed{}.")
+MATH_INSTRUCTION = (
+    "Solve the following math problem step by step. Put your final answer within \\boxed{}."
+)
 
 
 def chat_prompt(user_text: str) -> str:
@@ -51,12 +53,15 @@ class GemmaTokenizer(Tokenizer):
             i = processor.piece_to_id(piece)
             if i == processor.unk_id() or i < 0:
                 if chat:
-                    raise ValueError(f"tokenizer model has no {piece} piece: not a Gemma "
-                                     "chat tokenizer (use chat=False for a base model)")
+                    raise ValueError(
+                        f"tokenizer model has no {piece} piece: not a Gemma "
+                        "chat tokenizer (use chat=False for a base model)"
+                    )
                 continue
             self.special[piece] = i
-        self._split = re.compile("(" + "|".join(map(re.escape, self.special)) + ")") \
-            if self.special else None
+        self._split = (
+            re.compile("(" + "|".join(map(re.escape, self.special)) + ")") if self.special else None
+        )
 
     @property
     def eos_id(self) -> int:
@@ -120,12 +125,27 @@ def train_gemma_like(sentences: Iterable[str], vocab_size: int = 512) -> GemmaTo
     """A small BPE model with Gemma's special ids and chat pieces (tests, CPU demos)."""
     writer = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter([s for s in sentences if s]), model_writer=writer,
-        model_type="bpe", vocab_size=vocab_size, hard_vocab_limit=False,
-        character_coverage=1.0, byte_fallback=True,
+        sentence_iterator=iter([s for s in sentences if s]),
+        model_writer=writer,
+        model_type="bpe",
+        vocab_size=vocab_size,
+        hard_vocab_limit=False,
+        character_coverage=1.0,
+        byte_fallback=True,
         user_defined_symbols=list(CHAT_TOKENS) + ["\\boxed"],
-        pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>",
-        bos_piece="<bos>", unk_piece="<unk>", add_dummy_prefix=False,
-        remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
-        normalization_rule_name="identity", num_threads=1, minloglevel=2)
+        pad_id=0,
+        eos_id=1,
+        bos_id=2,
+        unk_id=3,
+        pad_piece="<pad>",
+        eos_piece="<eos>",
+        bos_piece="<bos>",
+        unk_piece="<unk>",
+        add_dummy_prefix=False,
+        remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True,
+        normalization_rule_name="identity",
+        num_threads=1,
+        minloglevel=2,
+    )
     return GemmaTokenizer.from_bytes(writer.getvalue())

@@ -31,6 +31,7 @@ So 8 tokens per term with single-letter names (the main job's default, at most
 26 terms), 9 with name_digits=1 (99 tokens at 10 terms, 2349 at 260, its most);
 name_digits=2 allows 2600 terms, 10 tokens each.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,6 +61,7 @@ class ChainTaskConfig:
     name_digits: digits after the letter in a variable name (0..4; 0 = single
       letters, at most 26 variables: the easiest lookups, the CPU default).
     """
+
     num_vars: int = 24
     num_terms: int = 12
     modulus: int = 10
@@ -74,21 +76,27 @@ class ChainTaskConfig:
         if not 0 <= self.name_digits <= 4:
             raise ValueError(f"name_digits must be in [0, 4], got {self.name_digits}")
         if not 1 <= self.num_vars <= self.max_vars:
-            raise ValueError(f"num_vars must be in [1, {self.max_vars}] for "
-                             f"name_digits={self.name_digits}, got {self.num_vars}")
+            raise ValueError(
+                f"num_vars must be in [1, {self.max_vars}] for "
+                f"name_digits={self.name_digits}, got {self.num_vars}"
+            )
         if not 1 <= self.num_terms <= self.num_vars:
-            raise ValueError(f"num_terms must be in [1, num_vars={self.num_vars}], "
-                             f"got {self.num_terms}")
+            raise ValueError(
+                f"num_terms must be in [1, num_vars={self.num_vars}], got {self.num_terms}"
+            )
         if self.modulus < 2:
             raise ValueError(f"modulus must be >= 2, got {self.modulus}")
         if self.min_terms is not None and not 1 <= self.min_terms <= self.num_terms:
-            raise ValueError(f"min_terms must be None or in [1, num_terms="
-                             f"{self.num_terms}], got {self.min_terms}")
+            raise ValueError(
+                f"min_terms must be None or in [1, num_terms="
+                f"{self.num_terms}], got {self.min_terms}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """prompt + solution is the full text; answer is the final total as a string."""
+
     prompt: str
     solution: str
     answer: str
@@ -114,8 +122,9 @@ def make_problem(cfg: ChainTaskConfig, split: str, index: int, seed: int) -> Pro
         num_terms = int(rng.integers(cfg.min_terms, cfg.num_terms + 1))
     base = 10**cfg.name_digits
     name_ids = rng.choice(cfg.max_vars, size=cfg.num_vars, replace=False)
-    digits = (lambda i: "") if cfg.name_digits == 0 else (
-        lambda i: f"{i % base:0{cfg.name_digits}d}")
+    digits = (
+        (lambda i: "") if cfg.name_digits == 0 else (lambda i: f"{i % base:0{cfg.name_digits}d}")
+    )
     names = [f"{NAME_LETTERS[i // base]}{digits(i)}" for i in name_ids]
     values = rng.integers(0, 10, size=cfg.num_vars)
     term_idx = rng.choice(cfg.num_vars, size=num_terms, replace=False)
@@ -135,8 +144,7 @@ def make_problem(cfg: ChainTaskConfig, split: str, index: int, seed: int) -> Pro
     return Problem(prompt=prompt, solution=solution, answer=answer)
 
 
-def problems(cfg: ChainTaskConfig, split: str, start: int, count: int,
-             seed: int) -> list[Problem]:
+def problems(cfg: ChainTaskConfig, split: str, start: int, count: int, seed: int) -> list[Problem]:
     """Problems start, start+1, ..., start+count-1 of `split`."""
     return [make_problem(cfg, split, i, seed) for i in range(start, start + count)]
 
@@ -171,5 +179,9 @@ def build_tokenizer(cfg: ChainTaskConfig, seed: int, n: int = 200) -> Tokenizer:
     changes (curricula).
     """
     symbols = [c for c in ALPHABET if c != " "]  # space is always learned as '▁'
-    return train_tokenizer(tokenizer_corpus(cfg, seed, n), vocab_size=len(ALPHABET) + 4,
-                           model_type="char", user_defined_symbols=symbols)
+    return train_tokenizer(
+        tokenizer_corpus(cfg, seed, n),
+        vocab_size=len(ALPHABET) + 4,
+        model_type="char",
+        user_defined_symbols=symbols,
+    )

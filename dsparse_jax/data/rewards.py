@@ -6,6 +6,7 @@ from both ends, is 1 to 32 ASCII digits. Later answer lines and any text after
 the first one are ignored. Answers are compared as strings: "05" != "5".
 Real datasets (sources.MathProblem, grader "math") are graded by answer_check.
 """
+
 from __future__ import annotations
 
 import re
@@ -29,7 +30,7 @@ def extract_answer(completion: str) -> str | None:
     if m is None:
         return None
     end = completion.find("\n", m.end())
-    rest = completion[m.end():] if end < 0 else completion[m.end():end]
+    rest = completion[m.end() :] if end < 0 else completion[m.end() : end]
     rest = rest.strip(" ")
     return rest if _NUMBER.fullmatch(rest) else None
 
@@ -42,8 +43,9 @@ def chain_reward(completion: str, answer: str, format_reward: float = 0.0) -> fl
     return 1.0 if got == str(answer).strip() else float(format_reward)
 
 
-def reward(completion: str, answer: str, grader: str = "chain",
-           format_reward: float = 0.0) -> float:
+def reward(
+    completion: str, answer: str, grader: str = "chain", format_reward: float = 0.0
+) -> float:
     """The reward of one completion: grader "chain" (this task's answer line) or "math"
     (\\boxed / #### answers graded by answer_check, for real datasets)."""
     if grader == "chain":
@@ -53,12 +55,17 @@ def reward(completion: str, answer: str, grader: str = "chain",
     raise ValueError(f"unknown grader {grader!r}: chain | math")
 
 
-def batch_rewards(completions: Sequence[str], answers: Sequence[str],
-                  format_reward: float = 0.0,
-                  graders: Sequence[str] | None = None) -> np.ndarray:
+def batch_rewards(
+    completions: Sequence[str],
+    answers: Sequence[str],
+    format_reward: float = 0.0,
+    graders: Sequence[str] | None = None,
+) -> np.ndarray:
     """`reward` of each (completion, answer[, grader]) triple, float32 [B]."""
     if len(completions) != len(answers):
         raise ValueError(f"got {len(completions)} completions for {len(answers)} answers")
     graders = ["chain"] * len(answers) if graders is None else list(graders)
-    return np.array([reward(c, a, g, format_reward)
-                     for c, a, g in zip(completions, answers, graders)], dtype=np.float32)
+    return np.array(
+        [reward(c, a, g, format_reward) for c, a, g in zip(completions, answers, graders)],
+        dtype=np.float32,
+    )

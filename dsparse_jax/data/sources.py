@@ -15,6 +15,7 @@ than the static prompt width are dropped or truncated (`overlong`).
 `DatasetTask` is the dataset counterpart of ChainTaskConfig for the RL loop: the module
 function `problems(task, split, start, count, seed)` serves either.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,6 +37,7 @@ ANSWER_FIELDS = ("answer", "final_answer", "ground_truth", "solution")
 @dataclasses.dataclass(frozen=True)
 class MathProblem:
     """prompt: the full templated prompt text; answer: the reference final answer."""
+
     prompt: str
     solution: str
     answer: str
@@ -66,8 +68,10 @@ def parse_uri(uri: str) -> tuple[str, str]:
     """'jsonl:/data/x.jsonl' -> ('jsonl', '/data/x.jsonl')."""
     scheme, sep, rest = str(uri).partition(":")
     if not sep or scheme not in SCHEMES or not rest:
-        raise ValueError(f"data source {uri!r}: expected <scheme>:<target> with scheme in "
-                         f"{SCHEMES}, e.g. jsonl:/data/gsm8k/train.jsonl or synthetic:chain")
+        raise ValueError(
+            f"data source {uri!r}: expected <scheme>:<target> with scheme in "
+            f"{SCHEMES}, e.g. jsonl:/data/gsm8k/train.jsonl or synthetic:chain"
+        )
     return scheme, rest
 
 
@@ -112,9 +116,11 @@ def _read_tfds(name: str, data_dir: str, split: str) -> list:
     try:
         import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
     except ImportError as e:
-        raise ImportError(f"tfds:{name} needs tensorflow_datasets (pip install "
-                          "tensorflow-datasets), and the dataset prepared under a local "
-                          "data_dir: nothing is downloaded at run time") from e
+        raise ImportError(
+            f"tfds:{name} needs tensorflow_datasets (pip install "
+            "tensorflow-datasets), and the dataset prepared under a local "
+            "data_dir: nothing is downloaded at run time"
+        ) from e
     if not data_dir:
         raise ValueError(f"tfds:{name} needs data.data_dir (a local TFDS data_dir)")
     builder = tfds.builder(name, data_dir=data_dir)
@@ -128,7 +134,8 @@ def _read_tfds(name: str, data_dir: str, split: str) -> list:
             raise RuntimeError(
                 f"tfds:{name} split {split!r} could not be read from {data_dir!r} ({e}). "
                 "Prepare it in array_record format (readable without TensorFlow) or "
-                "install tensorflow") from e
+                "install tensorflow"
+            ) from e
     return [{k: _decode(v) for k, v in r.items()} if isinstance(r, dict) else r for r in rows]
 
 
@@ -180,8 +187,9 @@ def _fit(question: str, cfg: SourceConfig, tok: Tokenizer) -> str | None:
     return None  # the template alone does not fit
 
 
-def to_problems(records: list, cfg: SourceConfig, tok: Tokenizer,
-                name: str = "data") -> tuple[list[MathProblem], dict]:
+def to_problems(
+    records: list, cfg: SourceConfig, tok: Tokenizer, name: str = "data"
+) -> tuple[list[MathProblem], dict]:
     """Usable problems of raw records and counts {total, bad, overlong, truncated, kept}."""
     out, reasons = [], []
     stats = {"total": len(records), "bad": 0, "overlong": 0, "truncated": 0}
@@ -198,8 +206,7 @@ def to_problems(records: list, cfg: SourceConfig, tok: Tokenizer,
         raw_answer = _text(rec.get(af)) if af else None
         answer = answer_check.reference_answer(raw_answer) if raw_answer else ""
         if question is None:
-            reasons.append(f"record {n}: no usable question field "
-                           f"({cfg.question_field or 'auto'})")
+            reasons.append(f"record {n}: no usable question field ({cfg.question_field or 'auto'})")
             continue
         if not answer:
             reasons.append(f"record {n}: no usable answer field ({cfg.answer_field or 'auto'})")
@@ -216,14 +223,18 @@ def to_problems(records: list, cfg: SourceConfig, tok: Tokenizer,
     stats["kept"] = len(out)
     if reasons:
         frac = len(reasons) / max(1, len(records))
-        msg = (f"{name}: skipped {len(reasons)} of {len(records)} bad records "
-               f"({frac:.1%}); first: {'; '.join(reasons[:3])}")
+        msg = (
+            f"{name}: skipped {len(reasons)} of {len(records)} bad records "
+            f"({frac:.1%}); first: {'; '.join(reasons[:3])}"
+        )
         if frac > cfg.max_bad_fraction:
             raise ValueError(msg + f" -- more than max_bad_fraction={cfg.max_bad_fraction}")
         warnings.warn(msg)
     if stats["overlong"]:
-        warnings.warn(f"{name}: dropped {stats['overlong']} prompts longer than "
-                      f"{cfg.max_prompt_tokens} tokens")
+        warnings.warn(
+            f"{name}: dropped {stats['overlong']} prompts longer than "
+            f"{cfg.max_prompt_tokens} tokens"
+        )
     if not out:
         raise ValueError(f"{name}: no usable problems in {len(records)} records")
     return out, stats
@@ -236,8 +247,14 @@ def load_problems(uri: str, cfg: SourceConfig, tok: Tokenizer) -> tuple[list[Mat
 class DatasetTask:
     """Dataset problems for the RL loop: reshuffled every epoch, fixed prompt width."""
 
-    def __init__(self, train: list[MathProblem], eval_: list[MathProblem],
-                 max_prompt_tokens: int, max_new_tokens: int, name: str = "data"):
+    def __init__(
+        self,
+        train: list[MathProblem],
+        eval_: list[MathProblem],
+        max_prompt_tokens: int,
+        max_new_tokens: int,
+        name: str = "data",
+    ):
         if not train or not eval_:
             raise ValueError("DatasetTask needs train and eval problems")
         self.train, self.eval, self.name = train, eval_, name
@@ -275,8 +292,16 @@ def problems(task, split: str, start: int, count: int, seed: int):
     return task.problems(split, start, count, seed)
 
 
-def build_task(uri: str, eval_uri: str, cfg: SourceConfig, tok: Tokenizer, num_eval: int,
-               max_new_tokens: int, seed: int, eval_split: str = "test") -> DatasetTask:
+def build_task(
+    uri: str,
+    eval_uri: str,
+    cfg: SourceConfig,
+    tok: Tokenizer,
+    num_eval: int,
+    max_new_tokens: int,
+    seed: int,
+    eval_split: str = "test",
+) -> DatasetTask:
     """A DatasetTask: eval from `eval_uri`, or (empty) the first num_eval of a seeded
     shuffle of the train source, held out from training."""
     train, _ = load_problems(uri, cfg, tok)
@@ -286,8 +311,10 @@ def build_task(uri: str, eval_uri: str, cfg: SourceConfig, tok: Tokenizer, num_e
         eval_ = eval_[:num_eval]
     else:
         if len(train) <= num_eval:
-            raise ValueError(f"{uri}: {len(train)} problems cannot hold out {num_eval} "
-                             "for eval; set data.eval_source or a smaller eval.num_problems")
+            raise ValueError(
+                f"{uri}: {len(train)} problems cannot hold out {num_eval} "
+                "for eval; set data.eval_source or a smaller eval.num_problems"
+            )
         order = np.random.default_rng(np.random.SeedSequence([seed, 11])).permutation(len(train))
         eval_ = [train[i] for i in order[:num_eval]]
         train = [train[i] for i in order[num_eval:]]

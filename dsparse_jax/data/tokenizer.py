@@ -4,6 +4,7 @@ Special ids are the same for every model trained here: pad=0, unk=1, bos=2, eos=
 Text is not normalized (identity rule, no dummy prefix, whitespace kept), so
 `decode(encode(text)) == text` for any text made of characters the model knows.
 """
+
 from __future__ import annotations
 
 import io
@@ -22,8 +23,12 @@ class Tokenizer:
 
     def __init__(self, processor: spm.SentencePieceProcessor):
         self._sp = processor
-        ids = {"pad": processor.pad_id(), "unk": processor.unk_id(),
-               "bos": processor.bos_id(), "eos": processor.eos_id()}
+        ids = {
+            "pad": processor.pad_id(),
+            "unk": processor.unk_id(),
+            "bos": processor.bos_id(),
+            "eos": processor.eos_id(),
+        }
         for name, i in ids.items():
             if i < 0:
                 raise ValueError(f"tokenizer model has no {name} piece (id {i})")
@@ -63,9 +68,14 @@ class Tokenizer:
         """Token ids of `text`, optionally wrapped in bos/eos."""
         return self._sp.encode(text, out_type=int, add_bos=add_bos, add_eos=add_eos)
 
-    def encode_batch(self, texts: Sequence[str], add_bos: bool = False,
-                     add_eos: bool = False, pad_to: int | None = None,
-                     pad_side: str = "right") -> tuple[np.ndarray, np.ndarray]:
+    def encode_batch(
+        self,
+        texts: Sequence[str],
+        add_bos: bool = False,
+        add_eos: bool = False,
+        pad_to: int | None = None,
+        pad_side: str = "right",
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Encodes and pads texts: returns ids int32 [B, L] and lengths int32 [B].
 
         L is `pad_to` if given, else the longest encoding. `pad_side='right'` puts
@@ -80,14 +90,13 @@ class Tokenizer:
         width = pad_to if pad_to is not None else int(lengths.max(initial=0))
         for i, s in enumerate(seqs):
             if len(s) > width:
-                raise ValueError(
-                    f"text {i} encodes to {len(s)} tokens, more than pad_to={width}")
+                raise ValueError(f"text {i} encodes to {len(s)} tokens, more than pad_to={width}")
         ids = np.full((len(seqs), width), self.pad_id, dtype=np.int32)
         for i, s in enumerate(seqs):
             if s and pad_side == "right":
-                ids[i, :len(s)] = s
+                ids[i, : len(s)] = s
             elif s:
-                ids[i, width - len(s):] = s
+                ids[i, width - len(s) :] = s
         return ids, lengths
 
     # -- decoding ------------------------------------------------------------
@@ -107,8 +116,9 @@ class Tokenizer:
             out.append(i if 0 <= i < self.vocab_size else self.unk_id)
         return self._sp.decode(out)
 
-    def decode_batch(self, ids_2d: np.ndarray,
-                     lengths: Sequence[int] | np.ndarray | None = None) -> list[str]:
+    def decode_batch(
+        self, ids_2d: np.ndarray, lengths: Sequence[int] | np.ndarray | None = None
+    ) -> list[str]:
         """Decodes each row; with `lengths`, row i is cut to `row[:lengths[i]]` first."""
         rows = np.asarray(ids_2d)
         if rows.ndim != 2:
@@ -117,7 +127,7 @@ class Tokenizer:
             raise ValueError(f"got {len(lengths)} lengths for {rows.shape[0]} rows")
         if lengths is None:
             return [self.decode(row) for row in rows]
-        return [self.decode(row[:int(n)]) for row, n in zip(rows, lengths)]
+        return [self.decode(row[: int(n)]) for row, n in zip(rows, lengths)]
 
     # -- persistence ---------------------------------------------------------
 
@@ -153,9 +163,13 @@ class Tokenizer:
         return cls(sp)
 
 
-def train_tokenizer(sentences: Iterable[str], vocab_size: int, model_type: str = "char",
-                    user_defined_symbols: Sequence[str] = (),
-                    byte_fallback: bool = False) -> Tokenizer:
+def train_tokenizer(
+    sentences: Iterable[str],
+    vocab_size: int,
+    model_type: str = "char",
+    user_defined_symbols: Sequence[str] = (),
+    byte_fallback: bool = False,
+) -> Tokenizer:
     """Trains a SentencePiece model in memory; the same input gives the same model.
 
     'char': the vocabulary is exactly the 4 specials, the user symbols, 256 byte
@@ -184,8 +198,10 @@ def train_tokenizer(sentences: Iterable[str], vocab_size: int, model_type: str =
     else:
         train_size = vocab_size
     if vocab_size <= num_special:
-        raise ValueError(f"vocab_size={vocab_size} leaves no room beyond the "
-                         f"{num_special} special/user/byte pieces")
+        raise ValueError(
+            f"vocab_size={vocab_size} leaves no room beyond the "
+            f"{num_special} special/user/byte pieces"
+        )
     writer = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(sents),
@@ -196,7 +212,10 @@ def train_tokenizer(sentences: Iterable[str], vocab_size: int, model_type: str =
         character_coverage=1.0,
         byte_fallback=byte_fallback,
         user_defined_symbols=user_defined_symbols,
-        pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+        pad_id=PAD_ID,
+        unk_id=UNK_ID,
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
         normalization_rule_name="identity",
         add_dummy_prefix=False,
         remove_extra_whitespaces=False,
@@ -209,9 +228,12 @@ def train_tokenizer(sentences: Iterable[str], vocab_size: int, model_type: str =
     if model_type == "char":
         missing = sorted(c for c in chars if tok.unk_id in tok.encode(c))
         if missing:
-            raise ValueError(f"the char model could not learn {missing}; pass them "
-                             "in user_defined_symbols")
+            raise ValueError(
+                f"the char model could not learn {missing}; pass them in user_defined_symbols"
+            )
     if tok.vocab_size > vocab_size:
-        raise ValueError(f"the {model_type!r} vocabulary needs {tok.vocab_size} pieces, "
-                         f"more than vocab_size={vocab_size}")
+        raise ValueError(
+            f"the {model_type!r} vocabulary needs {tok.vocab_size} pieces, "
+            f"more than vocab_size={vocab_size}"
+        )
     return tok

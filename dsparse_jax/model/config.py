@@ -13,109 +13,164 @@ LayerKind = Literal["global", "local"]
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Architecture of a Gemma 2/3 style decoder-only transformer."""
+    """Architecture of a Gemma 2/3 style decoder-only transformer."""
 
-  vocab_size: int
-  d_model: int
-  num_layers: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  mlp_dim: int
-  # Layer pattern, repeated to num_layers: e.g. ("local", "global") is Gemma 2,
-  # ("local",) * 5 + ("global",) is Gemma 3.
-  layer_pattern: tuple[LayerKind, ...] = ("global",)
-  sliding_window: int | None = None  # window of "local" layers (tokens)
-  rope_base_global: float = 10_000.0
-  rope_base_local: float = 10_000.0
-  rope_scale_global: float = 1.0  # position interpolation factor (Gemma 3 4B: 8.0)
-  query_scale: float | None = None  # multiplies q; None -> head_dim ** -0.5
-  attn_softcap: float | None = None  # Gemma 2: 50.0
-  final_softcap: float | None = None  # Gemma 2: 30.0
-  qk_norm: bool = False  # Gemma 3
-  norm_eps: float = 1e-6
-  param_dtype: str = "float32"
-  dtype: str = "float32"  # compute dtype
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    # Layer pattern, repeated to num_layers: e.g. ("local", "global") is Gemma 2,
+    # ("local",) * 5 + ("global",) is Gemma 3.
+    layer_pattern: tuple[LayerKind, ...] = ("global",)
+    sliding_window: int | None = None  # window of "local" layers (tokens)
+    rope_base_global: float = 10_000.0
+    rope_base_local: float = 10_000.0
+    rope_scale_global: float = 1.0  # position interpolation factor (Gemma 3 4B: 8.0)
+    query_scale: float | None = None  # multiplies q; None -> head_dim ** -0.5
+    attn_softcap: float | None = None  # Gemma 2: 50.0
+    final_softcap: float | None = None  # Gemma 2: 30.0
+    qk_norm: bool = False  # Gemma 3
+    norm_eps: float = 1e-6
+    param_dtype: str = "float32"
+    dtype: str = "float32"  # compute dtype
 
-  def __post_init__(self):
-    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
-                 "head_dim", "mlp_dim"):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
-    if self.num_heads % self.num_kv_heads:
-      raise ValueError(
-          f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
-          f"num_kv_heads ({self.num_kv_heads})")
-    if not self.layer_pattern or any(k not in ("global", "local") for k in self.layer_pattern):
-      raise ValueError(f"ModelConfig.layer_pattern must use 'global'/'local': {self.layer_pattern}")
-    if "local" in self.layer_pattern and not self.sliding_window:
-      raise ValueError("ModelConfig.sliding_window is required when layer_pattern has 'local'")
-    for name in ("param_dtype", "dtype"):
-      if getattr(self, name) not in ("float32", "bfloat16"):
-        raise ValueError(f"ModelConfig.{name} must be float32 or bfloat16")
+    def __post_init__(self):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "mlp_dim",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if not self.layer_pattern or any(k not in ("global", "local") for k in self.layer_pattern):
+            raise ValueError(
+                f"ModelConfig.layer_pattern must use 'global'/'local': {self.layer_pattern}"
+            )
+        if "local" in self.layer_pattern and not self.sliding_window:
+            raise ValueError(
+                "ModelConfig.sliding_window is required when layer_pattern has 'local'"
+            )
+        for name in ("param_dtype", "dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16"):
+                raise ValueError(f"ModelConfig.{name} must be float32 or bfloat16")
 
-  @property
-  def group_size(self) -> int:
-    """Query heads per KV head (GQA)."""
-    return self.num_heads // self.num_kv_heads
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.num_heads // self.num_kv_heads
 
-  def layer_kind(self, i: int) -> LayerKind:
-    return self.layer_pattern[i % len(self.layer_pattern)]
+    def layer_kind(self, i: int) -> LayerKind:
+        return self.layer_pattern[i % len(self.layer_pattern)]
 
-  def layer_window(self, i: int) -> int | None:
-    return self.sliding_window if self.layer_kind(i) == "local" else None
+    def layer_window(self, i: int) -> int | None:
+        return self.sliding_window if self.layer_kind(i) == "local" else None
 
-  def layer_rope(self, i: int) -> tuple[float, float]:
-    """(base, scale factor) of layer i's RoPE."""
-    if self.layer_kind(i) == "local":
-      return self.rope_base_local, 1.0
-    return self.rope_base_global, self.rope_scale_global
+    def layer_rope(self, i: int) -> tuple[float, float]:
+        """(base, scale factor) of layer i's RoPE."""
+        if self.layer_kind(i) == "local":
+            return self.rope_base_local, 1.0
+        return self.rope_base_global, self.rope_scale_global
 
-  @property
-  def scale(self) -> float:
-    return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
+    @property
+    def scale(self) -> float:
+        return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
 
-  def replace(self, **kw) -> "ModelConfig":
-    return dataclasses.replace(self, **kw)
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
 
 
 def tiny(vocab_size: int = 64) -> ModelConfig:
-  """The CPU default: ~3M parameters, Gemma 2/3 features all switched on."""
-  return ModelConfig(
-      vocab_size=vocab_size, d_model=192, num_layers=6, num_heads=4, num_kv_heads=1,
-      head_dim=48, mlp_dim=768, layer_pattern=("local", "global"), sliding_window=64,
-      rope_base_global=10_000.0, rope_base_local=10_000.0, attn_softcap=50.0,
-      final_softcap=30.0, qk_norm=True)
+    """The CPU default: ~3M parameters, Gemma 2/3 features all switched on."""
+    return ModelConfig(
+        vocab_size=vocab_size,
+        d_model=192,
+        num_layers=6,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=48,
+        mlp_dim=768,
+        layer_pattern=("local", "global"),
+        sliding_window=64,
+        rope_base_global=10_000.0,
+        rope_base_local=10_000.0,
+        attn_softcap=50.0,
+        final_softcap=30.0,
+        qk_norm=True,
+    )
 
 
 def gemma2_2b() -> ModelConfig:
-  return ModelConfig(
-      vocab_size=256_000, d_model=2304, num_layers=26, num_heads=8, num_kv_heads=4,
-      head_dim=256, mlp_dim=9216, layer_pattern=("local", "global"), sliding_window=4096,
-      query_scale=256 ** -0.5, attn_softcap=50.0, final_softcap=30.0, qk_norm=False)
+    return ModelConfig(
+        vocab_size=256_000,
+        d_model=2304,
+        num_layers=26,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=256,
+        mlp_dim=9216,
+        layer_pattern=("local", "global"),
+        sliding_window=4096,
+        query_scale=256**-0.5,
+        attn_softcap=50.0,
+        final_softcap=30.0,
+        qk_norm=False,
+    )
 
 
 def gemma3_1b() -> ModelConfig:
-  return ModelConfig(
-      vocab_size=262_144, d_model=1152, num_layers=26, num_heads=4, num_kv_heads=1,
-      head_dim=256, mlp_dim=6912, layer_pattern=("local",) * 5 + ("global",),
-      sliding_window=512, rope_base_local=10_000.0, rope_base_global=1_000_000.0,
-      query_scale=256 ** -0.5, qk_norm=True)
+    return ModelConfig(
+        vocab_size=262_144,
+        d_model=1152,
+        num_layers=26,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=256,
+        mlp_dim=6912,
+        layer_pattern=("local",) * 5 + ("global",),
+        sliding_window=512,
+        rope_base_local=10_000.0,
+        rope_base_global=1_000_000.0,
+        query_scale=256**-0.5,
+        qk_norm=True,
+    )
 
 
 def gemma3_4b() -> ModelConfig:
-  return ModelConfig(
-      vocab_size=262_144, d_model=2560, num_layers=34, num_heads=8, num_kv_heads=4,
-      head_dim=256, mlp_dim=10240, layer_pattern=("local",) * 5 + ("global",),
-      sliding_window=1024, rope_base_local=10_000.0, rope_base_global=1_000_000.0,
-      rope_scale_global=8.0, query_scale=256 ** -0.5, qk_norm=True)
+    return ModelConfig(
+        vocab_size=262_144,
+        d_model=2560,
+        num_layers=34,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=256,
+        mlp_dim=10240,
+        layer_pattern=("local",) * 5 + ("global",),
+        sliding_window=1024,
+        rope_base_local=10_000.0,
+        rope_base_global=1_000_000.0,
+        rope_scale_global=8.0,
+        query_scale=256**-0.5,
+        qk_norm=True,
+    )
 
 
 PRESETS = {"tiny": tiny, "gemma2_2b": gemma2_2b, "gemma3_1b": gemma3_1b, "gemma3_4b": gemma3_4b}
 
 
 def preset(name: str, **overrides) -> ModelConfig:
-  """A named preset with field overrides (e.g. vocab_size, dtype)."""
-  if name not in PRESETS:
-    raise ValueError(f"unknown model preset {name!r}; choose from {sorted(PRESETS)}")
-  return PRESETS[name]().replace(**overrides)
+    """A named preset with field overrides (e.g. vocab_size, dtype)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose from {sorted(PRESETS)}")
+    return PRESETS[name]().replace(**overrides)

@@ -29,240 +29,300 @@ LINEAR_NAMES = ATTN_NAMES + MLP_NAMES
 
 
 def _dtype(name: str):
-  return jnp.dtype(name)
+    return jnp.dtype(name)
 
 
 def lora_weight(w, lora_ab, lora_scale: float):
-  """W + A.B * lora_scale in f32 (A: in_dims + (r,), B: (r,) + out_dims)."""
-  delta = jnp.tensordot(lora_ab["a"].astype(jnp.float32), lora_ab["b"].astype(jnp.float32),
-                        axes=1)
-  return w.astype(jnp.float32) + delta * lora_scale
+    """W + A.B * lora_scale in f32 (A: in_dims + (r,), B: (r,) + out_dims)."""
+    delta = jnp.tensordot(
+        lora_ab["a"].astype(jnp.float32), lora_ab["b"].astype(jnp.float32), axes=1
+    )
+    return w.astype(jnp.float32) + delta * lora_scale
 
 
 def merges_lora(compute_dtype) -> bool:
-  """Whether a LoRA delta is merged into its weight: in f32 compute only."""
-  return jnp.dtype(compute_dtype) == jnp.float32
+    """Whether a LoRA delta is merged into its weight: in f32 compute only."""
+    return jnp.dtype(compute_dtype) == jnp.float32
 
 
 def linear(x, w, n_in: int, lora_ab=None, lora_scale: float = 1.0):
-  """x contracted over its last n_in dims with w's first n_in dims, plus a LoRA delta.
+    """x contracted over its last n_in dims with w's first n_in dims, plus a LoRA delta.
 
-  In f32 the delta is merged, x.(W + A.B * s): one full-width matmul (and in training one
-  weight-gradient matmul that A and B share) instead of rank-r matmuls, which run far
-  below peak on CPU; same result up to float rounding. In lower precision a merged weight
-  would round small deltas away, so the delta is applied as (x.A).B * s.
-  """
-  if lora_ab is not None and merges_lora(x.dtype):
-    w = lora_weight(w, lora_ab, lora_scale)
-    lora_ab = None
-  y = jnp.tensordot(x, w.astype(x.dtype), axes=n_in)
-  if lora_ab is not None:
-    xa = jnp.tensordot(x, lora_ab["a"].astype(x.dtype), axes=n_in)
-    y = y + jnp.tensordot(xa, lora_ab["b"].astype(x.dtype), axes=1) * lora_scale
-  return y
+    In f32 the delta is merged, x.(W + A.B * s): one full-width matmul (and in training one
+    weight-gradient matmul that A and B share) instead of rank-r matmuls, which run far
+    below peak on CPU; same result up to float rounding. In lower precision a merged weight
+    would round small deltas away, so the delta is applied as (x.A).B * s.
+    """
+    if lora_ab is not None and merges_lora(x.dtype):
+        w = lora_weight(w, lora_ab, lora_scale)
+        lora_ab = None
+    y = jnp.tensordot(x, w.astype(x.dtype), axes=n_in)
+    if lora_ab is not None:
+        xa = jnp.tensordot(x, lora_ab["a"].astype(x.dtype), axes=n_in)
+        y = y + jnp.tensordot(xa, lora_ab["b"].astype(x.dtype), axes=1) * lora_scale
+    return y
 
 
 def apply_rope(x_BxTxNxH, pos_BxT, base: float, scale: float = 1.0):
-  """Rotary embedding, Gemma convention (first half / second half of head_dim)."""
-  h = x_BxTxNxH.shape[-1]
-  frac = 2 * jnp.arange(h // 2, dtype=jnp.float32) / h
-  timescale = base ** frac
-  angle = (pos_BxT[..., None].astype(jnp.float32) / scale) / timescale  # [B, T, H/2]
-  sin, cos = jnp.sin(angle)[:, :, None], jnp.cos(angle)[:, :, None]
-  x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BxTxNxH.dtype)
+    """Rotary embedding, Gemma convention (first half / second half of head_dim)."""
+    h = x_BxTxNxH.shape[-1]
+    frac = 2 * jnp.arange(h // 2, dtype=jnp.float32) / h
+    timescale = base**frac
+    angle = (pos_BxT[..., None].astype(jnp.float32) / scale) / timescale  # [B, T, H/2]
+    sin, cos = jnp.sin(angle)[:, :, None], jnp.cos(angle)[:, :, None]
+    x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxTxNxH.dtype)
 
 
 class RMSNorm(nnx.Module):
-  """RMSNorm with Gemma's (1 + scale) convention; scale starts at zero."""
+    """RMSNorm with Gemma's (1 + scale) convention; scale starts at zero."""
 
-  def __init__(self, dim: int, eps: float, param_dtype):
-    self.scale = nnx.Param(jnp.zeros((dim,), param_dtype))
-    self.eps = eps
+    def __init__(self, dim: int, eps: float, param_dtype):
+        self.scale = nnx.Param(jnp.zeros((dim,), param_dtype))
+        self.eps = eps
 
-  def __call__(self, x):
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (y * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
 
 
 def _init(rngs: nnx.Rngs, shape, fan_in: int, dtype):
-  return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * fan_in ** -0.5)
+    return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * fan_in**-0.5)
 
 
 class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, index: int, rngs: nnx.Rngs):
+        d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        pd = _dtype(cfg.param_dtype)
+        self.q = _init(rngs, (d, n, h), d, pd)
+        self.k = _init(rngs, (d, k, h), d, pd)
+        self.v = _init(rngs, (d, k, h), d, pd)
+        self.o = _init(rngs, (n, h, d), n * h, pd)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(h, cfg.norm_eps, pd)
+            self.k_norm = RMSNorm(h, cfg.norm_eps, pd)
+        self.qk_norm = cfg.qk_norm
+        self.rope_base, self.rope_scale = cfg.layer_rope(index)
+        self.info = LayerInfo(
+            index=index, window=cfg.layer_window(index), softcap=cfg.attn_softcap, scale=cfg.scale
+        )
 
-  def __init__(self, cfg: ModelConfig, index: int, rngs: nnx.Rngs):
-    d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    pd = _dtype(cfg.param_dtype)
-    self.q = _init(rngs, (d, n, h), d, pd)
-    self.k = _init(rngs, (d, k, h), d, pd)
-    self.v = _init(rngs, (d, k, h), d, pd)
-    self.o = _init(rngs, (n, h, d), n * h, pd)
-    if cfg.qk_norm:
-      self.q_norm = RMSNorm(h, cfg.norm_eps, pd)
-      self.k_norm = RMSNorm(h, cfg.norm_eps, pd)
-    self.qk_norm = cfg.qk_norm
-    self.rope_base, self.rope_scale = cfg.layer_rope(index)
-    self.info = LayerInfo(index=index, window=cfg.layer_window(index),
-                          softcap=cfg.attn_softcap, scale=cfg.scale)
+    def _qkv(self, x_BxTxD, pos_BxT, lora, lora_scale):
+        get = (lambda name: None) if lora is None else lora.get
+        q = linear(x_BxTxD, self.q[...], 1, get("q"), lora_scale)
+        k = linear(x_BxTxD, self.k[...], 1, get("k"), lora_scale)
+        v = linear(x_BxTxD, self.v[...], 1, get("v"), lora_scale)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, pos_BxT, self.rope_base, self.rope_scale)
+        k = apply_rope(k, pos_BxT, self.rope_base, self.rope_scale)
+        return q, k, v
 
-  def _qkv(self, x_BxTxD, pos_BxT, lora, lora_scale):
-    get = (lambda name: None) if lora is None else lora.get
-    q = linear(x_BxTxD, self.q[...], 1, get("q"), lora_scale)
-    k = linear(x_BxTxD, self.k[...], 1, get("k"), lora_scale)
-    v = linear(x_BxTxD, self.v[...], 1, get("v"), lora_scale)
-    if self.qk_norm:
-      q, k = self.q_norm(q), self.k_norm(k)
-    q = apply_rope(q, pos_BxT, self.rope_base, self.rope_scale)
-    k = apply_rope(k, pos_BxT, self.rope_base, self.rope_scale)
-    return q, k, v
+    def _out(self, o_BxTxNxH, lora, lora_scale):
+        return linear(
+            o_BxTxNxH, self.o[...], 2, None if lora is None else lora.get("o"), lora_scale
+        )
 
-  def _out(self, o_BxTxNxH, lora, lora_scale):
-    return linear(o_BxTxNxH, self.o[...], 2, None if lora is None else lora.get("o"),
-                  lora_scale)
-
-  def __call__(self, x_BxTxD, mode: str, spec: AttentionSpec, *, cache=None, pos_B=None,
-               lengths_B=None, pages=None, lora=None, lora_scale=1.0):
-    """Returns (out_BxTxD, new_cache, page_ids_or_None)."""
-    b, t, _ = x_BxTxD.shape
-    if mode == "decode":
-      pos_BxT = pos_B[:, None]
-    else:
-      pos_BxT = jnp.broadcast_to(jnp.arange(t), (b, t))
-    q, k, v = self._qkv(x_BxTxD, pos_BxT, lora, lora_scale)
-    page_ids = None
-    if mode == "decode":
-      cache = kv_cache.write_decode(cache, k[:, 0], v[:, 0], pos_B, self.info, spec)
-      o, page_ids = attention.attend_decode(q[:, 0], cache, pos_B, self.info, spec)
-      o = o[:, None]
-    else:
-      if mode == "prefill":
-        cache = kv_cache.write_prefill(cache, k, v, lengths_B, self.info, spec)
-      o = attention.attend_sequence(q, k, v, self.info, spec, pages)
-    return self._out(o, lora, lora_scale), cache, page_ids
+    def __call__(
+        self,
+        x_BxTxD,
+        mode: str,
+        spec: AttentionSpec,
+        *,
+        cache=None,
+        pos_B=None,
+        lengths_B=None,
+        pages=None,
+        lora=None,
+        lora_scale=1.0,
+    ):
+        """Returns (out_BxTxD, new_cache, page_ids_or_None)."""
+        b, t, _ = x_BxTxD.shape
+        if mode == "decode":
+            pos_BxT = pos_B[:, None]
+        else:
+            pos_BxT = jnp.broadcast_to(jnp.arange(t), (b, t))
+        q, k, v = self._qkv(x_BxTxD, pos_BxT, lora, lora_scale)
+        page_ids = None
+        if mode == "decode":
+            cache = kv_cache.write_decode(cache, k[:, 0], v[:, 0], pos_B, self.info, spec)
+            o, page_ids = attention.attend_decode(q[:, 0], cache, pos_B, self.info, spec)
+            o = o[:, None]
+        else:
+            if mode == "prefill":
+                cache = kv_cache.write_prefill(cache, k, v, lengths_B, self.info, spec)
+            o = attention.attend_sequence(q, k, v, self.info, spec, pages)
+        return self._out(o, lora, lora_scale), cache, page_ids
 
 
 class MLP(nnx.Module):
-  """Gated GeLU (tanh approximation) feed-forward."""
+    """Gated GeLU (tanh approximation) feed-forward."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    d, f = cfg.d_model, cfg.mlp_dim
-    pd = _dtype(cfg.param_dtype)
-    self.gate = _init(rngs, (d, f), d, pd)
-    self.up = _init(rngs, (d, f), d, pd)
-    self.down = _init(rngs, (f, d), f, pd)
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.mlp_dim
+        pd = _dtype(cfg.param_dtype)
+        self.gate = _init(rngs, (d, f), d, pd)
+        self.up = _init(rngs, (d, f), d, pd)
+        self.down = _init(rngs, (f, d), f, pd)
 
-  def __call__(self, x, lora=None, lora_scale=1.0):
-    get = (lambda name: None) if lora is None else lora.get
-    gate = linear(x, self.gate[...], 1, get("gate"), lora_scale)
-    up = linear(x, self.up[...], 1, get("up"), lora_scale)
-    return linear(jax.nn.gelu(gate, approximate=True) * up, self.down[...], 1, get("down"),
-                  lora_scale)
+    def __call__(self, x, lora=None, lora_scale=1.0):
+        get = (lambda name: None) if lora is None else lora.get
+        gate = linear(x, self.gate[...], 1, get("gate"), lora_scale)
+        up = linear(x, self.up[...], 1, get("up"), lora_scale)
+        return linear(
+            jax.nn.gelu(gate, approximate=True) * up, self.down[...], 1, get("down"), lora_scale
+        )
 
 
 class Block(nnx.Module):
-  """Pre- and post-norm around attention and MLP (Gemma 2/3)."""
+    """Pre- and post-norm around attention and MLP (Gemma 2/3)."""
 
-  def __init__(self, cfg: ModelConfig, index: int, rngs: nnx.Rngs):
-    pd, eps, d = _dtype(cfg.param_dtype), cfg.norm_eps, cfg.d_model
-    self.pre_attn_norm = RMSNorm(d, eps, pd)
-    self.attn = Attention(cfg, index, rngs)
-    self.post_attn_norm = RMSNorm(d, eps, pd)
-    self.pre_mlp_norm = RMSNorm(d, eps, pd)
-    self.mlp = MLP(cfg, rngs)
-    self.post_mlp_norm = RMSNorm(d, eps, pd)
+    def __init__(self, cfg: ModelConfig, index: int, rngs: nnx.Rngs):
+        pd, eps, d = _dtype(cfg.param_dtype), cfg.norm_eps, cfg.d_model
+        self.pre_attn_norm = RMSNorm(d, eps, pd)
+        self.attn = Attention(cfg, index, rngs)
+        self.post_attn_norm = RMSNorm(d, eps, pd)
+        self.pre_mlp_norm = RMSNorm(d, eps, pd)
+        self.mlp = MLP(cfg, rngs)
+        self.post_mlp_norm = RMSNorm(d, eps, pd)
 
-  def __call__(self, x, mode, spec, lora=None, lora_scale=1.0, **kw):
-    a, cache, page_ids = self.attn(self.pre_attn_norm(x), mode, spec, lora=lora,
-                                   lora_scale=lora_scale, **kw)
-    x = x + self.post_attn_norm(a)
-    x = x + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x), lora, lora_scale))
-    return x, cache, page_ids
+    def __call__(self, x, mode, spec, lora=None, lora_scale=1.0, **kw):
+        a, cache, page_ids = self.attn(
+            self.pre_attn_norm(x), mode, spec, lora=lora, lora_scale=lora_scale, **kw
+        )
+        x = x + self.post_attn_norm(a)
+        x = x + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x), lora, lora_scale))
+        return x, cache, page_ids
 
 
 class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        pd = _dtype(cfg.param_dtype)
+        self.embed = nnx.Param(
+            jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model), pd) * cfg.d_model**-0.5
+        )
+        self.layers = nnx.List([Block(cfg, i, rngs) for i in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    self.cfg = cfg
-    pd = _dtype(cfg.param_dtype)
-    self.embed = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model), pd)
-                           * cfg.d_model ** -0.5)
-    self.layers = nnx.List([Block(cfg, i, rngs) for i in range(cfg.num_layers)])
-    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+    def merge_lora(self, lora, lora_scale: float) -> bool:
+        """Replaces every adapted weight by W + A.B * lora_scale (f32), in place, when the
+        compute dtype is f32 (where `linear` merges anyway): a decode loop then pays nothing
+        per step for the adapter. Use on a transient model (e.g. inside a jitted sampler).
+        Returns whether it merged; if not, pass `lora` to the calls as usual."""
+        if not lora or not merges_lora(self.cfg.dtype):
+            return False
+        for i, maps in lora.items():
+            block = self.layers[int(i)]
+            for name, ab in maps.items():
+                param = getattr(block.attn if name in ATTN_NAMES else block.mlp, name)
+                param.set_value(lora_weight(param[...], ab, lora_scale))
+        return True
 
-  def merge_lora(self, lora, lora_scale: float) -> bool:
-    """Replaces every adapted weight by W + A.B * lora_scale (f32), in place, when the
-    compute dtype is f32 (where `linear` merges anyway): a decode loop then pays nothing
-    per step for the adapter. Use on a transient model (e.g. inside a jitted sampler).
-    Returns whether it merged; if not, pass `lora` to the calls as usual."""
-    if not lora or not merges_lora(self.cfg.dtype):
-      return False
-    for i, maps in lora.items():
-      block = self.layers[int(i)]
-      for name, ab in maps.items():
-        param = getattr(block.attn if name in ATTN_NAMES else block.mlp, name)
-        param.set_value(lora_weight(param[...], ab, lora_scale))
-    return True
+    # -- pieces
+    def _embed(self, tokens):
+        dt = _dtype(self.cfg.dtype)
+        x = self.embed[...].astype(dt)[tokens]
+        return x * jnp.asarray(self.cfg.d_model**0.5, dt)
 
-  # -- pieces
-  def _embed(self, tokens):
-    dt = _dtype(self.cfg.dtype)
-    x = self.embed[...].astype(dt)[tokens]
-    return x * jnp.asarray(self.cfg.d_model ** 0.5, dt)
+    def _logits(self, x):
+        x = self.final_norm(x)
+        logits = jnp.einsum(
+            "...d,vd->...v", x, self.embed[...].astype(x.dtype), preferred_element_type=jnp.float32
+        )
+        return softcap(logits, self.cfg.final_softcap)
 
-  def _logits(self, x):
-    x = self.final_norm(x)
-    logits = jnp.einsum("...d,vd->...v", x, self.embed[...].astype(x.dtype),
-                        preferred_element_type=jnp.float32)
-    return softcap(logits, self.cfg.final_softcap)
+    def _run(self, x, mode, spec, caches, lora, lora_scale, pages=None, **kw):
+        new_caches, page_ids = [], []
+        for i, block in enumerate(self.layers):
+            layer_lora = None if lora is None else lora.get(i)
+            layer_pages = None if pages is None else pages.get(i)
+            cache = None if caches is None else caches[i]
+            x, cache, ids = block(
+                x,
+                mode,
+                spec,
+                lora=layer_lora,
+                lora_scale=lora_scale,
+                cache=cache,
+                pages=layer_pages,
+                **kw,
+            )
+            new_caches.append(cache)
+            page_ids.append(ids)
+        return x, new_caches, page_ids
 
-  def _run(self, x, mode, spec, caches, lora, lora_scale, pages=None, **kw):
-    new_caches, page_ids = [], []
-    for i, block in enumerate(self.layers):
-      layer_lora = None if lora is None else lora.get(i)
-      layer_pages = None if pages is None else pages.get(i)
-      cache = None if caches is None else caches[i]
-      x, cache, ids = block(x, mode, spec, lora=layer_lora, lora_scale=lora_scale,
-                            cache=cache, pages=layer_pages, **kw)
-      new_caches.append(cache)
-      page_ids.append(ids)
-    return x, new_caches, page_ids
+    # -- the three modes
+    def forward(
+        self,
+        tokens_BxT,
+        spec: AttentionSpec = AttentionSpec(),
+        *,
+        pages=None,
+        lora=None,
+        lora_scale: float = 1.0,
+        return_hidden: bool = False,
+    ):
+        """Teacher-forced logits [B, T, V] (f32).
 
-  # -- the three modes
-  def forward(self, tokens_BxT, spec: AttentionSpec = AttentionSpec(), *, pages=None,
-              lora=None, lora_scale: float = 1.0, return_hidden: bool = False):
-    """Teacher-forced logits [B, T, V] (f32).
+        pages: optional {layer: (page_ids_BxTxKxP, sparse_query_BxT)} decode record that makes
+        the spec's sparse layers attend exactly where the sampler did.
+        """
+        x, _, _ = self._run(
+            self._embed(tokens_BxT), "train", spec, None, lora, lora_scale, pages=pages
+        )
+        return (self._logits(x), x) if return_hidden else self._logits(x)
 
-    pages: optional {layer: (page_ids_BxTxKxP, sparse_query_BxT)} decode record that makes
-    the spec's sparse layers attend exactly where the sampler did.
-    """
-    x, _, _ = self._run(self._embed(tokens_BxT), "train", spec, None, lora, lora_scale,
-                        pages=pages)
-    return (self._logits(x), x) if return_hidden else self._logits(x)
+    def prefill(
+        self,
+        tokens_BxT,
+        lengths_B,
+        caches,
+        spec: AttentionSpec = AttentionSpec(),
+        *,
+        lora=None,
+        lora_scale: float = 1.0,
+    ):
+        """Dense prompt pass. Returns (logits at each row's last prompt token [B, V], caches)."""
+        x, caches, _ = self._run(
+            self._embed(tokens_BxT), "prefill", spec, caches, lora, lora_scale, lengths_B=lengths_B
+        )
+        last = jnp.take_along_axis(x, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+        return self._logits(last), caches
 
-  def prefill(self, tokens_BxT, lengths_B, caches, spec: AttentionSpec = AttentionSpec(),
-              *, lora=None, lora_scale: float = 1.0):
-    """Dense prompt pass. Returns (logits at each row's last prompt token [B, V], caches)."""
-    x, caches, _ = self._run(self._embed(tokens_BxT), "prefill", spec, caches, lora,
-                             lora_scale, lengths_B=lengths_B)
-    last = jnp.take_along_axis(x, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-    return self._logits(last), caches
+    def decode(
+        self,
+        tokens_B,
+        pos_B,
+        caches,
+        spec: AttentionSpec = AttentionSpec(),
+        *,
+        lora=None,
+        lora_scale: float = 1.0,
+    ):
+        """One step. Returns (logits [B, V], caches, page_ids per layer (None if dense))."""
+        x, caches, page_ids = self._run(
+            self._embed(tokens_B[:, None]), "decode", spec, caches, lora, lora_scale, pos_B=pos_B
+        )
+        return self._logits(x[:, 0]), caches, page_ids
 
-  def decode(self, tokens_B, pos_B, caches, spec: AttentionSpec = AttentionSpec(), *,
-             lora=None, lora_scale: float = 1.0):
-    """One step. Returns (logits [B, V], caches, page_ids per layer (None if dense))."""
-    x, caches, page_ids = self._run(self._embed(tokens_B[:, None]), "decode", spec, caches,
-                                    lora, lora_scale, pos_B=pos_B)
-    return self._logits(x[:, 0]), caches, page_ids
-
-  def init_cache(self, batch: int, max_len: int, spec: AttentionSpec = AttentionSpec()):
-    cfg = self.cfg
-    return [kv_cache.init_layer_cache(batch, cfg.num_kv_heads, max_len, cfg.head_dim,
-                                      _dtype(cfg.dtype), blk.attn.info, spec)
-            for blk in self.layers]
+    def init_cache(self, batch: int, max_len: int, spec: AttentionSpec = AttentionSpec()):
+        cfg = self.cfg
+        return [
+            kv_cache.init_layer_cache(
+                batch,
+                cfg.num_kv_heads,
+                max_len,
+                cfg.head_dim,
+                _dtype(cfg.dtype),
+                blk.attn.info,
+                spec,
+            )
+            for blk in self.layers
+        ]
 
 
 def count_params(model: nnx.Module) -> int:
-  return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

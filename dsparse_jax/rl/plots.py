@@ -37,14 +37,20 @@ def load_run(workdir: str) -> dict:
         with open(cfg_path) as f:
             bin_width = json.load(f).get("metrics", {}).get("position_bin")
     records = read_metrics(workdir)
-    return {"label": os.path.basename(os.path.normpath(workdir)),
-            "rl": [r for r in records if r["phase"] == "rl"],
-            "eval": [r for r in records if r["phase"] == "eval"], "bin_width": bin_width}
+    return {
+        "label": os.path.basename(os.path.normpath(workdir)),
+        "rl": [r for r in records if r["phase"] == "rl"],
+        "eval": [r for r in records if r["phase"] == "eval"],
+        "bin_width": bin_width,
+    }
 
 
 def _series(records: list[dict], key: str):
-    pts = [(r["step"], r[key]) for r in records
-           if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    pts = [
+        (r["step"], r[key])
+        for r in records
+        if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
+    ]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
@@ -85,18 +91,28 @@ def _bins_figure(runs, names, path, ylabel):
             color = f"C{ri % 10}"  # one colour per run; dashed: early, solid: late
             recs = run["rl"]
             third = max(len(recs) // 3, 1)
-            for part, sub, style in (("first third", recs[:third], "--"),
-                                     ("last third", recs[-third:], "-")):
+            for part, sub, style in (
+                ("first third", recs[:third], "--"),
+                ("last third", recs[-third:], "-"),
+            ):
                 prof = bin_profile(sub, name)
                 if not prof or all(math.isnan(v) for v in prof):
                     continue
                 w = run["bin_width"]
                 x = [(i + 0.5) * w for i in range(len(prof))] if w else list(range(len(prof)))
-                ax.plot(x, prof, style, marker="o", markersize=3, color=color,
-                        label=f"{run['label']} ({part})")
+                ax.plot(
+                    x,
+                    prof,
+                    style,
+                    marker="o",
+                    markersize=3,
+                    color=color,
+                    label=f"{run['label']} ({part})",
+                )
         ax.set_title(name)
-        ax.set_xlabel("completion position (tokens)" if any(r["bin_width"] for r in runs)
-                      else "position bin")
+        ax.set_xlabel(
+            "completion position (tokens)" if any(r["bin_width"] for r in runs) else "position bin"
+        )
         ax.set_ylabel(ylabel)
         if ax.lines:
             ax.legend(fontsize=7)
@@ -114,9 +130,13 @@ def plot_runs(workdirs: list[str], out_dir: str) -> list[str]:
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     _panel(axes[0, 0], runs, "rl", [("reward", "-"), ("reward_kept", ":")], "reward")
     _panel(axes[0, 1], runs, "rl", [("response_length_mean", "-")], "response length")
-    _panel(axes[1, 0], runs, "eval", [("greedy_accuracy", "-o"),
-                                      ("sparse_greedy_accuracy", "--s")],
-           "held-out greedy accuracy (dense / sparse policy)")
+    _panel(
+        axes[1, 0],
+        runs,
+        "eval",
+        [("greedy_accuracy", "-o"), ("sparse_greedy_accuracy", "--s")],
+        "held-out greedy accuracy (dense / sparse policy)",
+    )
     _panel(axes[1, 1], runs, "rl", [("accuracy", "-")], "rollout accuracy")
     fig.tight_layout()
     path = os.path.join(out_dir, "reward.png")
@@ -125,14 +145,34 @@ def plot_runs(workdirs: list[str], out_dir: str) -> list[str]:
     written.append(path)
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    _panel(axes[0, 0], runs, "rl", [("kl_exact", "-"), ("kl_k3", ":")],
-           "KL(sparse || dense) per token: exact / k3")
-    _panel(axes[0, 1], runs, "rl", [("alpha_mean", "-"), ("alpha_p5", ":")],
-           "acceptance alpha: mean / 5th percentile")
-    _panel(axes[1, 0], runs, "rl", [("log_ratio_mean_abs", "-"), ("log_ratio_max_abs", ":")],
-           "|log p_dense - log p_sparse|: mean / max")
-    _panel(axes[1, 1], runs, "rl", [("tis_clip_frac", "-"), ("mis_masked_frac", ":")],
-           "TIS clip fraction / MIS mask fraction")
+    _panel(
+        axes[0, 0],
+        runs,
+        "rl",
+        [("kl_exact", "-"), ("kl_k3", ":")],
+        "KL(sparse || dense) per token: exact / k3",
+    )
+    _panel(
+        axes[0, 1],
+        runs,
+        "rl",
+        [("alpha_mean", "-"), ("alpha_p5", ":")],
+        "acceptance alpha: mean / 5th percentile",
+    )
+    _panel(
+        axes[1, 0],
+        runs,
+        "rl",
+        [("log_ratio_mean_abs", "-"), ("log_ratio_max_abs", ":")],
+        "|log p_dense - log p_sparse|: mean / max",
+    )
+    _panel(
+        axes[1, 1],
+        runs,
+        "rl",
+        [("tis_clip_frac", "-"), ("mis_masked_frac", ":")],
+        "TIS clip fraction / MIS mask fraction",
+    )
     if any(y > 0 for line in axes[0, 0].lines for y in line.get_ydata()):
         axes[0, 0].set_yscale("symlog", linthresh=1e-4)
     fig.tight_layout()
@@ -193,10 +233,15 @@ def _mean_std_by_step(runs: list[dict], phase: str, key: str):
     return steps, means, stds
 
 
-def plot_seed_spread(groups: dict[str, list[str]], path: str,
-                     panels=(("eval", "greedy_accuracy", "held-out greedy accuracy"),
-                             ("rl", "reward", "rollout reward"),
-                             ("rl", "kl_exact", "KL(sparse || dense) per token"))) -> str:
+def plot_seed_spread(
+    groups: dict[str, list[str]],
+    path: str,
+    panels=(
+        ("eval", "greedy_accuracy", "held-out greedy accuracy"),
+        ("rl", "reward", "rollout reward"),
+        ("rl", "kl_exact", "KL(sparse || dense) per token"),
+    ),
+) -> str:
     """One line per group (label -> the workdirs of its seeds): the mean over seeds per
     step with a +- 1 sample-std band. Returns the path written."""
     loaded = {label: [load_run(w) for w in wds] for label, wds in groups.items()}
@@ -208,8 +253,13 @@ def plot_seed_spread(groups: dict[str, list[str]], path: str,
                 continue
             color = f"C{gi % 10}"
             ax.plot(x, m, "-o", markersize=3, color=color, label=f"{label} (n={len(runs)})")
-            ax.fill_between(x, [a - b for a, b in zip(m, s)], [a + b for a, b in zip(m, s)],
-                            color=color, alpha=0.2)
+            ax.fill_between(
+                x,
+                [a - b for a, b in zip(m, s)],
+                [a + b for a, b in zip(m, s)],
+                color=color,
+                alpha=0.2,
+            )
         ax.set_title(title)
         ax.set_xlabel("step")
         if ax.lines:
@@ -221,8 +271,9 @@ def plot_seed_spread(groups: dict[str, list[str]], path: str,
     return path
 
 
-def plot_throughput(workdirs: list[str], path: str, bars: dict[str, tuple] | None = None,
-                    skip_first: bool = True) -> str:
+def plot_throughput(
+    workdirs: list[str], path: str, bars: dict[str, tuple] | None = None, skip_first: bool = True
+) -> str:
     """Rollout tokens/s and time per RL step vs step (one line per run; skip_first drops
     step 1, whose times include the compile), and optionally a bar chart
     bars = {label: (mean tokens/s, spread)}. Returns the path written."""
@@ -237,9 +288,13 @@ def plot_throughput(workdirs: list[str], path: str, bars: dict[str, tuple] | Non
     if bars:
         ax = axes[0, 2]
         labels = list(bars)
-        ax.bar(range(len(labels)), [bars[k][0] for k in labels],
-               yerr=[bars[k][1] for k in labels], color=[f"C{i % 10}" for i in range(len(labels))],
-               capsize=3)
+        ax.bar(
+            range(len(labels)),
+            [bars[k][0] for k in labels],
+            yerr=[bars[k][1] for k in labels],
+            color=[f"C{i % 10}" for i in range(len(labels))],
+            capsize=3,
+        )
         ax.set_xticks(range(len(labels)))
         ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
         ax.set_title("rollout tokens/s (median over steps >= 2)")
@@ -258,21 +313,36 @@ def _panel_by_run(ax, runs, phase, keys, title):
             x, y = _series(run[phase], key)
             if x:
                 label = run["label"] + ("" if len(keys) == 1 else f" {key}")
-                ax.plot(x, y, styles[ki % len(styles)], color=f"C{ri % 10}", marker="o",
-                        markersize=2.5, label=label)
+                ax.plot(
+                    x,
+                    y,
+                    styles[ki % len(styles)],
+                    color=f"C{ri % 10}",
+                    marker="o",
+                    markersize=2.5,
+                    label=label,
+                )
     ax.set_title(title)
     ax.set_xlabel("step")
     if ax.lines:
         ax.legend(fontsize=6)
 
 
-def plot_curves(workdirs: list[str], path: str,
-                panels=(("eval", ("greedy_accuracy", "sparse_greedy_accuracy"),
-                         "held-out greedy accuracy: dense policy (solid) / actor (dashed)"),
-                        ("eval", ("mean_at_2", "mean_at_4"), "held-out mean@k"),
-                        ("rl", ("reward",), "rollout reward (all generated samples)"),
-                        ("rl", ("response_length_mean",), "response length")),
-                labels: list[str] | None = None) -> str:
+def plot_curves(
+    workdirs: list[str],
+    path: str,
+    panels=(
+        (
+            "eval",
+            ("greedy_accuracy", "sparse_greedy_accuracy"),
+            "held-out greedy accuracy: dense policy (solid) / actor (dashed)",
+        ),
+        ("eval", ("mean_at_2", "mean_at_4"), "held-out mean@k"),
+        ("rl", ("reward",), "rollout reward (all generated samples)"),
+        ("rl", ("response_length_mean",), "response length"),
+    ),
+    labels: list[str] | None = None,
+) -> str:
     """Accuracy / reward curves of several runs, one colour per run (every mode in one
     figure stays readable). Returns the path written."""
     runs = [load_run(w) for w in workdirs]
@@ -283,7 +353,7 @@ def plot_curves(workdirs: list[str], path: str,
     fig, axes = plt.subplots(nrows, ncols, figsize=(11, 3.6 * nrows), squeeze=False)
     for ax, (phase, keys, title) in zip(axes.flat, panels):
         _panel_by_run(ax, runs, phase, list(keys), title)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -34,226 +34,257 @@ from dsparse_jax.train import sharding
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-  max_new_tokens: int
-  eos_id: int
-  pad_id: int
-  temperature: float = 1.0
-  top_k: int = 0  # 0: off
-  top_p: float = 1.0  # 1.0: off
-  samples_per_prompt: int = 1
-  top_logprobs: int = 0  # also return the k largest log-probs per step (0: off)
-  # 0: decode over one cache buffer of prompt + max_new_tokens. N > 0: the buffer starts at
-  # prompt + N tokens and doubles until it holds max_new_tokens (see buffer_schedule).
-  grow_buffer_from: int = 0
+    max_new_tokens: int
+    eos_id: int
+    pad_id: int
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    samples_per_prompt: int = 1
+    top_logprobs: int = 0  # also return the k largest log-probs per step (0: off)
+    # 0: decode over one cache buffer of prompt + max_new_tokens. N > 0: the buffer starts at
+    # prompt + N tokens and doubles until it holds max_new_tokens (see buffer_schedule).
+    grow_buffer_from: int = 0
 
-  def __post_init__(self):
-    if self.max_new_tokens < 1:
-      raise ValueError("SamplingConfig.max_new_tokens must be >= 1")
-    if self.temperature < 0:
-      raise ValueError("SamplingConfig.temperature must be >= 0")
-    if self.top_k < 0:
-      raise ValueError("SamplingConfig.top_k must be >= 0")
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError("SamplingConfig.top_p must be in (0, 1]")
-    if self.samples_per_prompt < 1:
-      raise ValueError("SamplingConfig.samples_per_prompt must be >= 1")
-    if self.top_logprobs < 0:
-      raise ValueError("SamplingConfig.top_logprobs must be >= 0")
-    if self.grow_buffer_from < 0:
-      raise ValueError("SamplingConfig.grow_buffer_from must be >= 0 (0: one fixed buffer)")
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError("SamplingConfig.max_new_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("SamplingConfig.temperature must be >= 0")
+        if self.top_k < 0:
+            raise ValueError("SamplingConfig.top_k must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("SamplingConfig.top_p must be in (0, 1]")
+        if self.samples_per_prompt < 1:
+            raise ValueError("SamplingConfig.samples_per_prompt must be >= 1")
+        if self.top_logprobs < 0:
+            raise ValueError("SamplingConfig.top_logprobs must be >= 0")
+        if self.grow_buffer_from < 0:
+            raise ValueError("SamplingConfig.grow_buffer_from must be >= 0 (0: one fixed buffer)")
 
 
 class Rollout(NamedTuple):
-  """What a rollout returns; every [B, S] array is aligned with `tokens`."""
+    """What a rollout returns; every [B, S] array is aligned with `tokens`."""
 
-  tokens: jax.Array  # int32 [B, S]
-  prompt_lengths: jax.Array  # int32 [B]
-  completion_lengths: jax.Array  # int32 [B]
-  completion_mask: jax.Array  # f32 [B, S], 1 on completion tokens
-  logprobs: jax.Array  # f32 [B, S], log-prob of each completion token (0 elsewhere)
-  page_ids: dict  # {sparse layer: int32 [B, S, K, P]}: pages read by the query at s
-  top_logprobs: Any = None  # (values f32 [B, S, k], ids int32 [B, S, k]) or None
+    tokens: jax.Array  # int32 [B, S]
+    prompt_lengths: jax.Array  # int32 [B]
+    completion_lengths: jax.Array  # int32 [B]
+    completion_mask: jax.Array  # f32 [B, S], 1 on completion tokens
+    logprobs: jax.Array  # f32 [B, S], log-prob of each completion token (0 elsewhere)
+    page_ids: dict  # {sparse layer: int32 [B, S, K, P]}: pages read by the query at s
+    top_logprobs: Any = None  # (values f32 [B, S, k], ids int32 [B, S, k]) or None
 
-  @property
-  def lengths(self):
-    return self.prompt_lengths + self.completion_lengths
+    @property
+    def lengths(self):
+        return self.prompt_lengths + self.completion_lengths
 
-  def sparse_query(self):
-    """bool [B, S]: the positions whose query ran as a sparse decode step."""
-    pos = jnp.arange(self.tokens.shape[1])[None]
-    return (pos >= self.prompt_lengths[:, None]) & (pos < self.lengths[:, None] - 1)
+    def sparse_query(self):
+        """bool [B, S]: the positions whose query ran as a sparse decode step."""
+        pos = jnp.arange(self.tokens.shape[1])[None]
+        return (pos >= self.prompt_lengths[:, None]) & (pos < self.lengths[:, None] - 1)
 
-  def pages(self):
-    """The decode record in the form Transformer.forward(pages=...) takes, or None."""
-    if not self.page_ids:
-      return None
-    sq = self.sparse_query()
-    return {layer: (ids, sq) for layer, ids in self.page_ids.items()}
+    def pages(self):
+        """The decode record in the form Transformer.forward(pages=...) takes, or None."""
+        if not self.page_ids:
+            return None
+        sq = self.sparse_query()
+        return {layer: (ids, sq) for layer, ids in self.page_ids.items()}
 
 
 def truncate_logits(logits_BxV, top_k: int, top_p: float):
-  """Sets logits outside the top-k and then outside the top-p nucleus to -inf."""
-  if top_k:
-    kth = jax.lax.top_k(logits_BxV, top_k)[0][:, -1:]
-    logits_BxV = jnp.where(logits_BxV < kth, -jnp.inf, logits_BxV)
-  if top_p < 1.0:
-    sorted_desc = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = mass_before < top_p  # the first token is always kept
-    cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    logits_BxV = jnp.where(logits_BxV < cutoff, -jnp.inf, logits_BxV)
-  return logits_BxV
+    """Sets logits outside the top-k and then outside the top-p nucleus to -inf."""
+    if top_k:
+        kth = jax.lax.top_k(logits_BxV, top_k)[0][:, -1:]
+        logits_BxV = jnp.where(logits_BxV < kth, -jnp.inf, logits_BxV)
+    if top_p < 1.0:
+        sorted_desc = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(sorted_desc, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        keep = mass_before < top_p  # the first token is always kept
+        cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+        logits_BxV = jnp.where(logits_BxV < cutoff, -jnp.inf, logits_BxV)
+    return logits_BxV
 
 
 def sample_token(logits_BxV, key, cfg: SamplingConfig):
-  """(token_B, logprob_B of that token under the sampling distribution)."""
-  if cfg.temperature == 0.0:
-    tok = jnp.argmax(logits_BxV, axis=-1)
-    logp = jax.nn.log_softmax(logits_BxV, axis=-1)
-  else:
-    scaled = truncate_logits(logits_BxV / cfg.temperature, cfg.top_k, cfg.top_p)
-    tok = jax.random.categorical(key, scaled, axis=-1)
-    logp = jax.nn.log_softmax(scaled, axis=-1)
-  return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+    """(token_B, logprob_B of that token under the sampling distribution)."""
+    if cfg.temperature == 0.0:
+        tok = jnp.argmax(logits_BxV, axis=-1)
+        logp = jax.nn.log_softmax(logits_BxV, axis=-1)
+    else:
+        scaled = truncate_logits(logits_BxV / cfg.temperature, cfg.top_k, cfg.top_p)
+        tok = jax.random.categorical(key, scaled, axis=-1)
+        logp = jax.nn.log_softmax(scaled, axis=-1)
+    return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
 
 def buffer_length(prompt_len: int, max_new_tokens: int, page_size: int) -> int:
-  total = prompt_len + max_new_tokens
-  return -(-total // page_size) * page_size
+    total = prompt_len + max_new_tokens
+    return -(-total // page_size) * page_size
 
 
-def buffer_schedule(prompt_len: int, max_new_tokens: int, page_size: int,
-                    grow_from: int = 0) -> list[int]:
-  """The KV-cache lengths the decode loop runs through, shortest first.
+def buffer_schedule(
+    prompt_len: int, max_new_tokens: int, page_size: int, grow_from: int = 0
+) -> list[int]:
+    """The KV-cache lengths the decode loop runs through, shortest first.
 
-  A decode step's dense layers (and the page scoring of sparse ones) read the whole cache
-  buffer, masked, whatever the position. grow_from = 0: one buffer of prompt +
-  max_new_tokens (one decode compile, no copy). grow_from = N > 0: buffers of prompt + N,
-  prompt + 2N, ... tokens, then the full one; the loop moves to the next buffer (a copy of
-  the cache) when the next step could write past the current one, so a step costs
-  O(position) up to a factor 2. Costs one decode compile per buffer and, at each growth,
-  the old and the new cache at once (peak 1.5x the final cache at the last growth).
-  """
-  full = buffer_length(prompt_len, max_new_tokens, page_size)
-  sizes, n = [], grow_from
-  while 0 < n < max_new_tokens:
-    size = buffer_length(prompt_len, n, page_size)
-    if size < full and size not in sizes:
-      sizes.append(size)
-    n *= 2
-  return sizes + [full]
+    A decode step's dense layers (and the page scoring of sparse ones) read the whole cache
+    buffer, masked, whatever the position. grow_from = 0: one buffer of prompt +
+    max_new_tokens (one decode compile, no copy). grow_from = N > 0: buffers of prompt + N,
+    prompt + 2N, ... tokens, then the full one; the loop moves to the next buffer (a copy of
+    the cache) when the next step could write past the current one, so a step costs
+    O(position) up to a factor 2. Costs one decode compile per buffer and, at each growth,
+    the old and the new cache at once (peak 1.5x the final cache at the last growth).
+    """
+    full = buffer_length(prompt_len, max_new_tokens, page_size)
+    sizes, n = [], grow_from
+    while 0 < n < max_new_tokens:
+        size = buffer_length(prompt_len, n, page_size)
+        if size < full and size not in sizes:
+            sizes.append(size)
+        n *= 2
+    return sizes + [full]
 
 
 class Sampler:
-  """Samples completions from a Transformer. Build once per model graph; call with any
-  weights of that graph."""
+    """Samples completions from a Transformer. Build once per model graph; call with any
+    weights of that graph."""
 
-  def __init__(self, graphdef):
-    self.graphdef = graphdef
-    self._jitted = jax.jit(self._sample, static_argnames=("cfg", "spec", "lora_scale"))
+    def __init__(self, graphdef):
+        self.graphdef = graphdef
+        self._jitted = jax.jit(self._sample, static_argnames=("cfg", "spec", "lora_scale"))
 
-  def __call__(self, state, prompts_BxL, prompt_lengths_B, key, cfg: SamplingConfig,
-               spec: AttentionSpec = AttentionSpec(), lora=None, lora_scale: float = 1.0):
-    """Returns a Rollout with B * samples_per_prompt rows (a prompt's samples contiguous)."""
-    lengths = jnp.asarray(prompt_lengths_B, jnp.int32)
-    if prompts_BxL.shape[0] != lengths.shape[0]:
-      raise ValueError("prompts and prompt_lengths disagree on the batch size")
-    return self._jitted(state, jnp.asarray(prompts_BxL, jnp.int32), lengths, key, lora,
-                        cfg=cfg, spec=spec, lora_scale=lora_scale)
+    def __call__(
+        self,
+        state,
+        prompts_BxL,
+        prompt_lengths_B,
+        key,
+        cfg: SamplingConfig,
+        spec: AttentionSpec = AttentionSpec(),
+        lora=None,
+        lora_scale: float = 1.0,
+    ):
+        """Returns a Rollout with B * samples_per_prompt rows (a prompt's samples contiguous)."""
+        lengths = jnp.asarray(prompt_lengths_B, jnp.int32)
+        if prompts_BxL.shape[0] != lengths.shape[0]:
+            raise ValueError("prompts and prompt_lengths disagree on the batch size")
+        return self._jitted(
+            state,
+            jnp.asarray(prompts_BxL, jnp.int32),
+            lengths,
+            key,
+            lora,
+            cfg=cfg,
+            spec=spec,
+            lora_scale=lora_scale,
+        )
 
-  def _sample(self, state, prompts_BxL, prompt_len_B, key, lora, *, cfg, spec, lora_scale):
-    model = nnx.merge(self.graphdef, state)
-    if model.merge_lora(lora, lora_scale):  # theta + phi once, not at every decode step
-      lora = None
-    n = cfg.samples_per_prompt
-    b0, l = prompts_BxL.shape
-    sizes = buffer_schedule(l, cfg.max_new_tokens, spec.page_size, cfg.grow_buffer_from)
-    s = sizes[-1]  # the token and record buffers are full size from the start
-    run = dict(spec=spec, lora=lora, lora_scale=lora_scale)
+    def _sample(self, state, prompts_BxL, prompt_len_B, key, lora, *, cfg, spec, lora_scale):
+        model = nnx.merge(self.graphdef, state)
+        if model.merge_lora(lora, lora_scale):  # theta + phi once, not at every decode step
+            lora = None
+        n = cfg.samples_per_prompt
+        b0, l = prompts_BxL.shape
+        sizes = buffer_schedule(l, cfg.max_new_tokens, spec.page_size, cfg.grow_buffer_from)
+        s = sizes[-1]  # the token and record buffers are full size from the start
+        run = dict(spec=spec, lora=lora, lora_scale=lora_scale)
 
-    # On a mesh: caches batch over data x fsdp, KV heads over tensor (train/sharding.py).
-    caches = sharding.constrain_cache(model.init_cache(b0, sizes[0], spec))
-    logits, caches = model.prefill(prompts_BxL, prompt_len_B, caches, **run)
-    if n > 1:  # one prefill serves the n samples of each prompt
-      rep = lambda x: jnp.repeat(x, n, axis=0)
-      logits, caches = rep(logits), sharding.constrain_cache(jax.tree.map(rep, caches))
-      prompts_BxL, prompt_len_B = rep(prompts_BxL), rep(prompt_len_B)
-    b = b0 * n
-    rows = jnp.arange(b)
+        # On a mesh: caches batch over data x fsdp, KV heads over tensor (train/sharding.py).
+        caches = sharding.constrain_cache(model.init_cache(b0, sizes[0], spec))
+        logits, caches = model.prefill(prompts_BxL, prompt_len_B, caches, **run)
+        if n > 1:  # one prefill serves the n samples of each prompt
+            rep = lambda x: jnp.repeat(x, n, axis=0)
+            logits, caches = rep(logits), sharding.constrain_cache(jax.tree.map(rep, caches))
+            prompts_BxL, prompt_len_B = rep(prompts_BxL), rep(prompt_len_B)
+        b = b0 * n
+        rows = jnp.arange(b)
 
-    tokens = jnp.full((b, s), cfg.pad_id, jnp.int32).at[:, :l].set(prompts_BxL)
-    tokens = jnp.where(jnp.arange(s)[None] < prompt_len_B[:, None], tokens, cfg.pad_id)
-    logprobs = jnp.zeros((b, s), jnp.float32)
-    sparse_layers = [blk.attn.info.index for blk in model.layers
-                     if spec.is_sparse_layer(blk.attn.info)]
-    kv, p = model.cfg.num_kv_heads, spec.sparse.max_pages if spec.sparse else 0
-    page_ids = {i: jnp.full((b, s, kv, p), -1, jnp.int32) for i in sparse_layers}
-    k_top = cfg.top_logprobs
-    top = ((jnp.zeros((b, s, k_top), jnp.float32), jnp.zeros((b, s, k_top), jnp.int32))
-           if k_top else None)
+        tokens = jnp.full((b, s), cfg.pad_id, jnp.int32).at[:, :l].set(prompts_BxL)
+        tokens = jnp.where(jnp.arange(s)[None] < prompt_len_B[:, None], tokens, cfg.pad_id)
+        logprobs = jnp.zeros((b, s), jnp.float32)
+        sparse_layers = [
+            blk.attn.info.index for blk in model.layers if spec.is_sparse_layer(blk.attn.info)
+        ]
+        kv, p = model.cfg.num_kv_heads, spec.sparse.max_pages if spec.sparse else 0
+        page_ids = {i: jnp.full((b, s, kv, p), -1, jnp.int32) for i in sparse_layers}
+        k_top = cfg.top_logprobs
+        top = (
+            (jnp.zeros((b, s, k_top), jnp.float32), jnp.zeros((b, s, k_top), jnp.int32))
+            if k_top
+            else None
+        )
 
-    def emit(carry, logits_BxV, key, write_pos_B):
-      """Samples one token per row and writes it (and its log-prob) at write_pos_B."""
-      tokens, logprobs, done, ncomp, top = carry
-      tok, lp = sample_token(logits_BxV, key, cfg)
-      tok = jnp.where(done, cfg.pad_id, tok)
-      lp = jnp.where(done, 0.0, lp)
-      tokens = tokens.at[rows, write_pos_B].set(tok)
-      logprobs = logprobs.at[rows, write_pos_B].set(lp)
-      if top is not None:
-        # Greedy (temperature 0) reports temperature-1 log-probs, like `logprobs`.
-        t = cfg.temperature if cfg.temperature > 0 else 1.0
-        vals, ids = jax.lax.top_k(jax.nn.log_softmax(logits_BxV / t, axis=-1), k_top)
-        top = (top[0].at[rows, write_pos_B].set(vals),
-               top[1].at[rows, write_pos_B].set(ids.astype(jnp.int32)))
-      ncomp = ncomp + (~done).astype(jnp.int32)
-      done = done | (tok == cfg.eos_id)
-      return tokens, logprobs, done, ncomp, top
+        def emit(carry, logits_BxV, key, write_pos_B):
+            """Samples one token per row and writes it (and its log-prob) at write_pos_B."""
+            tokens, logprobs, done, ncomp, top = carry
+            tok, lp = sample_token(logits_BxV, key, cfg)
+            tok = jnp.where(done, cfg.pad_id, tok)
+            lp = jnp.where(done, 0.0, lp)
+            tokens = tokens.at[rows, write_pos_B].set(tok)
+            logprobs = logprobs.at[rows, write_pos_B].set(lp)
+            if top is not None:
+                # Greedy (temperature 0) reports temperature-1 log-probs, like `logprobs`.
+                t = cfg.temperature if cfg.temperature > 0 else 1.0
+                vals, ids = jax.lax.top_k(jax.nn.log_softmax(logits_BxV / t, axis=-1), k_top)
+                top = (
+                    top[0].at[rows, write_pos_B].set(vals),
+                    top[1].at[rows, write_pos_B].set(ids.astype(jnp.int32)),
+                )
+            ncomp = ncomp + (~done).astype(jnp.int32)
+            done = done | (tok == cfg.eos_id)
+            return tokens, logprobs, done, ncomp, top
 
-    key, sub = jax.random.split(key)
-    done = jnp.zeros((b,), bool)
-    ncomp = jnp.zeros((b,), jnp.int32)
-    out = emit((tokens, logprobs, done, ncomp, top), logits, sub, prompt_len_B)
+        key, sub = jax.random.split(key)
+        done = jnp.zeros((b,), bool)
+        ncomp = jnp.zeros((b,), jnp.int32)
+        out = emit((tokens, logprobs, done, ncomp, top), logits, sub, prompt_len_B)
 
-    def cond(state, last_step):
-      step, _, _, (_, _, done, _, _), _ = state
-      return (step < cfg.max_new_tokens) & (step <= last_step) & ~jnp.all(done)
+        def cond(state, last_step):
+            step, _, _, (_, _, done, _, _), _ = state
+            return (step < cfg.max_new_tokens) & (step <= last_step) & ~jnp.all(done)
 
-    def body(state):
-      step, key, caches, out, page_ids = state
-      pos_B = prompt_len_B + step - 1  # position of the token fed in this step
-      logits, caches, ids = model.decode(out[0][rows, pos_B], pos_B, caches, **run)
-      page_ids = {i: page_ids[i].at[rows, pos_B].set(ids[i]) for i in page_ids}
-      key, sub = jax.random.split(key)
-      out = emit(out, logits, sub, pos_B + 1)
-      return step + 1, key, caches, out, page_ids
+        def body(state):
+            step, key, caches, out, page_ids = state
+            pos_B = prompt_len_B + step - 1  # position of the token fed in this step
+            logits, caches, ids = model.decode(out[0][rows, pos_B], pos_B, caches, **run)
+            page_ids = {i: page_ids[i].at[rows, pos_B].set(ids[i]) for i in page_ids}
+            key, sub = jax.random.split(key)
+            out = emit(out, logits, sub, pos_B + 1)
+            return step + 1, key, caches, out, page_ids
 
-    state = (jnp.int32(1), key, caches, out, page_ids)
-    for i, size in enumerate(sizes):
-      if i:  # move the cache into the next buffer (all rows' positions fit the last one)
-        step, key, caches, out, page_ids = state
-        caches = sharding.constrain_cache(
-            [kv_cache.grow_layer_cache(c, size, spec.page_size) for c in caches])
-        state = (step, key, caches, out, page_ids)
-      # Step `step` writes the cache at position <= l + step - 1, which must be < size.
-      state = jax.lax.while_loop(lambda st, last=size - l: cond(st, last), body, state)
-    _, _, _, out, page_ids = state
-    tokens, logprobs, _, ncomp, top = out
-    pos = jnp.arange(s)[None]
-    mask = (pos >= prompt_len_B[:, None]) & (pos < (prompt_len_B + ncomp)[:, None])
-    return Rollout(tokens=tokens, prompt_lengths=prompt_len_B, completion_lengths=ncomp,
-                   completion_mask=mask.astype(jnp.float32), logprobs=logprobs,
-                   page_ids=page_ids, top_logprobs=top)
+        state = (jnp.int32(1), key, caches, out, page_ids)
+        for i, size in enumerate(sizes):
+            if i:  # move the cache into the next buffer (all rows' positions fit the last one)
+                step, key, caches, out, page_ids = state
+                caches = sharding.constrain_cache(
+                    [kv_cache.grow_layer_cache(c, size, spec.page_size) for c in caches]
+                )
+                state = (step, key, caches, out, page_ids)
+            # Step `step` writes the cache at position <= l + step - 1, which must be < size.
+            state = jax.lax.while_loop(lambda st, last=size - l: cond(st, last), body, state)
+        _, _, _, out, page_ids = state
+        tokens, logprobs, _, ncomp, top = out
+        pos = jnp.arange(s)[None]
+        mask = (pos >= prompt_len_B[:, None]) & (pos < (prompt_len_B + ncomp)[:, None])
+        return Rollout(
+            tokens=tokens,
+            prompt_lengths=prompt_len_B,
+            completion_lengths=ncomp,
+            completion_mask=mask.astype(jnp.float32),
+            logprobs=logprobs,
+            page_ids=page_ids,
+            top_logprobs=top,
+        )
 
 
 def completion_view(rollout: Rollout, pad_id: int):
-  """Completions left-aligned: int32 [B, max_new] (pad after each completion's end)."""
-  tokens = sharding.to_host(rollout.tokens)  # all-gathers rows held by other hosts
-  starts = sharding.to_host(rollout.prompt_lengths)
-  ncomp = sharding.to_host(rollout.completion_lengths)
-  width = int(ncomp.max()) if len(ncomp) else 0
-  out = np.full((tokens.shape[0], max(width, 1)), pad_id, np.int32)
-  for i, (st, c) in enumerate(zip(starts, ncomp)):
-    out[i, :c] = tokens[i, st:st + c]
-  return out
+    """Completions left-aligned: int32 [B, max_new] (pad after each completion's end)."""
+    tokens = sharding.to_host(rollout.tokens)  # all-gathers rows held by other hosts
+    starts = sharding.to_host(rollout.prompt_lengths)
+    ncomp = sharding.to_host(rollout.completion_lengths)
+    width = int(ncomp.max()) if len(ncomp) else 0
+    out = np.full((tokens.shape[0], max(width, 1)), pad_id, np.int32)
+    for i, (st, c) in enumerate(zip(starts, ncomp)):
+        out[i, :c] = tokens[i, st : st + c]
+    return out

@@ -39,8 +39,12 @@ class IncompatibleCheckpoint(ValueError):
 
 
 def to_saveable(params, opt_state, *, rng, step: int, extra: dict | None = None) -> dict:
-    tree = {"params": nnx.to_pure_dict(params), "opt_state": jax.tree.leaves(opt_state),
-            "rng": jax.random.key_data(rng), "step": np.asarray(step, np.int64)}
+    tree = {
+        "params": nnx.to_pure_dict(params),
+        "opt_state": jax.tree.leaves(opt_state),
+        "rng": jax.random.key_data(rng),
+        "step": np.asarray(step, np.int64),
+    }
     for k, v in (extra or {}).items():
         tree[k] = v if isinstance(v, (list, dict)) else np.asarray(v)
     return tree
@@ -51,8 +55,9 @@ def from_saveable(tree: dict, params_template, opt_template):
     params = _replace_pure(params_template, tree["params"])
     opt_state = jax.tree.unflatten(jax.tree.structure(opt_template), tree["opt_state"])
     rng = jax.random.wrap_key_data(tree["rng"])
-    extra = {k: v for k, v in tree.items()
-             if k not in ("params", "opt_state", "rng", "step", INTEGRITY)}
+    extra = {
+        k: v for k, v in tree.items() if k not in ("params", "opt_state", "rng", "step", INTEGRITY)
+    }
     return params, opt_state, rng, int(tree["step"]), extra
 
 
@@ -88,18 +93,17 @@ def _device_digests(leaves):
         w = w.reshape(-1)
         i = jax.lax.iota(jnp.uint32, w.size) + jnp.uint32(1)
         out.append(jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(w * i, dtype=jnp.uint32)]))
-        fin.append(jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.floating)
-                   else jnp.bool_(True))
+        fin.append(
+            jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.bool_(True)
+        )
     return out, fin
 
 
 def digest(tree: dict) -> tuple[np.ndarray, list[str]]:
     """(uint32 [leaves, 2] digest, paths of leaves holding a non-finite value)."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    dev = [i for i, (_, x) in enumerate(flat)
-           if isinstance(x, jax.Array) and x.dtype.itemsize <= 4]
-    sums, fins = (jax.device_get(_device_digests([flat[i][1] for i in dev]))
-                  if dev else ([], []))
+    dev = [i for i, (_, x) in enumerate(flat) if isinstance(x, jax.Array) and x.dtype.itemsize <= 4]
+    sums, fins = jax.device_get(_device_digests([flat[i][1] for i in dev])) if dev else ([], [])
     rows, finite = [None] * len(flat), [True] * len(flat)
     for i, s, f in zip(dev, sums, fins):
         rows[i], finite[i] = np.asarray(s, np.uint32), bool(f)
@@ -112,13 +116,16 @@ def digest(tree: dict) -> tuple[np.ndarray, list[str]]:
 
 def _signature(tree) -> list[tuple[str, tuple, str]]:
     """Sorted (path, shape, dtype) of every leaf, keys as strings: template vs metadata."""
+
     def key(k):
         return str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+
     def shape_dtype(x):
         if hasattr(x, "shape") and hasattr(x, "dtype"):
             return tuple(x.shape), str(np.dtype(x.dtype))
         x = np.asarray(x)
         return x.shape, str(x.dtype)
+
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return sorted(("/".join(key(k) for k in p), *shape_dtype(x)) for p, x in flat)
 
@@ -130,8 +137,10 @@ class Checkpointer:
         self.directory = os.path.abspath(os.path.join(workdir, name))
         self.quarantine = self.directory + ".corrupt"
         self.manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
-            item_handlers=ocp.StandardCheckpointHandler())
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+            item_handlers=ocp.StandardCheckpointHandler(),
+        )
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -146,8 +155,10 @@ class Checkpointer:
             return  # already saved (e.g. the periodic save of the final step)
         fp, bad = digest(tree)
         if bad:
-            raise CheckpointError(f"refusing to save step {step} to {self.directory}: "
-                                  f"non-finite values in {', '.join(bad[:5])}")
+            raise CheckpointError(
+                f"refusing to save step {step} to {self.directory}: "
+                f"non-finite values in {', '.join(bad[:5])}"
+            )
         tree = dict(tree, **{INTEGRITY: fp})
         tree = sharding.host_local_to_global(tree)  # multi-host: orbax saves global arrays
         self.manager.save(step, args=ocp.args.StandardSave(tree), force=force)
@@ -167,8 +178,9 @@ class Checkpointer:
         want, got = _signature(template), _signature(stored)
         if want != got:
             diff = sorted(set(want) ^ set(got))[:3]
-            raise IncompatibleCheckpoint(f"checkpoint tree differs from this run's state "
-                                         f"(e.g. {diff})")
+            raise IncompatibleCheckpoint(
+                f"checkpoint tree differs from this run's state (e.g. {diff})"
+            )
         target = dict(template)
         if has_fp:
             target[INTEGRITY] = np.zeros((len(jax.tree.leaves(template)), 2), np.uint32)
@@ -176,21 +188,24 @@ class Checkpointer:
         try:
             tree = dict(self.manager.restore(step, args=ocp.args.StandardRestore(abstract)))
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"unreadable data ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else ''})") from e
+            raise CheckpointError(
+                f"unreadable data ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            ) from e
         stored_fp = tree.pop(INTEGRITY, None)
         fp, bad = digest(tree)
         if stored_fp is not None and not np.array_equal(np.asarray(stored_fp), fp):
             rows = np.nonzero((np.asarray(stored_fp) != fp).any(1))[0]
-            paths = [jax.tree_util.keystr(p)
-                     for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+            paths = [
+                jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+            ]
             raise CheckpointError("digest mismatch in " + ", ".join(paths[r] for r in rows[:5]))
         if bad:
             raise CheckpointError(f"non-finite values in {', '.join(bad[:5])}")
         return tree
 
-    def restore_latest(self, template: dict,
-                       optional: tuple[str, ...] = ()) -> tuple[int, dict] | None:
+    def restore_latest(
+        self, template: dict, optional: tuple[str, ...] = ()
+    ) -> tuple[int, dict] | None:
         """(step, tree) of the newest usable checkpoint, or None if there is none.
 
         An unreadable or corrupt one is reported, moved to <name>.corrupt/ and the one
@@ -201,12 +216,16 @@ class Checkpointer:
                 return step, self.restore(step, template, optional)
             except CheckpointError as e:
                 dest = self._move_aside(step)
-                print(f"[ckpt] WARNING: checkpoint {self.directory}/{step} is corrupt ({e}); "
-                    f"moved to {dest}; trying the previous one", flush=True)
+                print(
+                    f"[ckpt] WARNING: checkpoint {self.directory}/{step} is corrupt ({e}); "
+                    f"moved to {dest}; trying the previous one",
+                    flush=True,
+                )
         if os.path.isdir(self.quarantine) and os.listdir(self.quarantine):
             raise CheckpointError(
                 f"no usable checkpoint in {self.directory}; corrupt ones are in "
-                f"{self.quarantine}. Delete that directory to start this phase over.")
+                f"{self.quarantine}. Delete that directory to start this phase over."
+            )
         return None
 
     def _move_aside(self, step: int) -> str:

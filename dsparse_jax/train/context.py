@@ -64,24 +64,44 @@ def _data_task(config):
     if scheme == "synthetic":
         if target != "chain":
             raise ValueError(f"config.data.source: unknown synthetic task {target!r} (chain)")
-        task = ChainTaskConfig(num_vars=config.task.num_vars, num_terms=config.task.num_terms,
-                               name_digits=config.task.name_digits)
+        task = ChainTaskConfig(
+            num_vars=config.task.num_vars,
+            num_terms=config.task.num_terms,
+            name_digits=config.task.name_digits,
+        )
         return task, build_tokenizer(task, config.seed)
     if config.sft.get("enabled", True):
-        raise ValueError("config.sft.enabled: the SFT warm start is for the synthetic task "
-                         "only; real datasets start RL from a checkpoint (sft.enabled=False)")
+        raise ValueError(
+            "config.sft.enabled: the SFT warm start is for the synthetic task "
+            "only; real datasets start RL from a checkpoint (sft.enabled=False)"
+        )
     d, ckpt = config.data, config.model.get("checkpoint_dir", "")
     path = config.tokenizer.path or (os.path.join(ckpt, "tokenizer.model") if ckpt else "")
     if not path:
         raise ValueError("config.tokenizer.path: a real dataset needs a Gemma tokenizer.model")
     tok = GemmaTokenizer.load(path, chat=config.tokenizer.chat)
     scfg = sources.SourceConfig(
-        question_field=d.question_field, answer_field=d.answer_field,
-        solution_field=d.solution_field, instruction=d.instruction, chat=config.tokenizer.chat,
-        max_prompt_tokens=d.max_prompt_tokens, overlong=d.overlong,
-        max_bad_fraction=d.max_bad_fraction, data_dir=d.data_dir, split=d.split)
-    task = sources.build_task(d.source, d.eval_source, scfg, tok, config.eval.num_problems,
-                              d.max_new_tokens, config.seed, eval_split=d.eval_split)
+        question_field=d.question_field,
+        answer_field=d.answer_field,
+        solution_field=d.solution_field,
+        instruction=d.instruction,
+        chat=config.tokenizer.chat,
+        max_prompt_tokens=d.max_prompt_tokens,
+        overlong=d.overlong,
+        max_bad_fraction=d.max_bad_fraction,
+        data_dir=d.data_dir,
+        split=d.split,
+    )
+    task = sources.build_task(
+        d.source,
+        d.eval_source,
+        scfg,
+        tok,
+        config.eval.num_problems,
+        d.max_new_tokens,
+        config.seed,
+        eval_split=d.eval_split,
+    )
     return task, tok
 
 
@@ -91,11 +111,14 @@ def _model(config, tok):
     if not ckpt:
         model_cfg = model_config(config, tok.vocab_size)
         return (model_cfg, *nnx.split(Transformer(model_cfg, nnx.Rngs(config.seed))))
-    model_cfg = hf_checkpoint.load_model_config(ckpt, param_dtype=config.model.param_dtype,
-                                                dtype=config.model.dtype)
+    model_cfg = hf_checkpoint.load_model_config(
+        ckpt, param_dtype=config.model.param_dtype, dtype=config.model.dtype
+    )
     if tok.vocab_size > model_cfg.vocab_size:
-        raise ValueError(f"tokenizer has {tok.vocab_size} pieces, more than the checkpoint's "
-                         f"vocab_size {model_cfg.vocab_size}")
+        raise ValueError(
+            f"tokenizer has {tok.vocab_size} pieces, more than the checkpoint's "
+            f"vocab_size {model_cfg.vocab_size}"
+        )
     graphdef, _ = hf_checkpoint.abstract_params(model_cfg)
     return model_cfg, graphdef, hf_checkpoint.load_params(ckpt, model_cfg)
 
@@ -110,17 +133,31 @@ def build(config) -> RunContext:
     sampler = Sampler(graphdef)
     eval_problems = sources.problems(task, "eval", 0, config.eval.num_problems, config.seed)
     evaluator = Evaluator(sampler, tok, task, eval_problems, spec)
-    return RunContext(config=config, task=task, tok=tok, model_cfg=model_cfg,
-                      graphdef=graphdef, init_params=params, spec=spec, sampler=sampler,
-                      evaluator=evaluator,
-                      seq_width=batches.sequence_buffer(task, spec.page_size),
-                      rollout_spec=rollout_spec, lora_cfg=lora_cfg)
+    return RunContext(
+        config=config,
+        task=task,
+        tok=tok,
+        model_cfg=model_cfg,
+        graphdef=graphdef,
+        init_params=params,
+        spec=spec,
+        sampler=sampler,
+        evaluator=evaluator,
+        seq_width=batches.sequence_buffer(task, spec.page_size),
+        rollout_spec=rollout_spec,
+        lora_cfg=lora_cfg,
+    )
 
 
 def sparse_spec(config) -> SparseSpec:
     s = config.sparse
-    return SparseSpec(policy=s.policy, budget=s.budget, sink_pages=s.sink_pages,
-                      recent_pages=s.recent_pages, dense_layers=s.dense_layers)
+    return SparseSpec(
+        policy=s.policy,
+        budget=s.budget,
+        sink_pages=s.sink_pages,
+        recent_pages=s.recent_pages,
+        dense_layers=s.dense_layers,
+    )
 
 
 def lora_config(config) -> LoRAConfig:

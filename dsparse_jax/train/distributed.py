@@ -58,7 +58,9 @@ def initialize(config) -> bool:
     if platforms.split(",")[0] == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**kw)
-    print(f"[dist] process {jax.process_index()} of {jax.process_count()}: "
-          f"{jax.local_device_count()} local / {jax.device_count()} global devices",
-          flush=True)
+    print(
+        f"[dist] process {jax.process_index()} of {jax.process_count()}: "
+        f"{jax.local_device_count()} local / {jax.device_count()} global devices",
+        flush=True,
+    )
     return True

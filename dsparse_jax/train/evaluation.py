@@ -32,38 +32,67 @@ class Evaluator:
     the dense policy (theta, dense attention) or a sparse rollout policy (sparse spec,
     optionally with a LoRA delta tree)."""
 
-    def __init__(self, sampler: Sampler, tok: Tokenizer, task: ChainTaskConfig,
-                 problems: list[Problem], spec: AttentionSpec = AttentionSpec(),
-                 batch_size: int = 64):
+    def __init__(
+        self,
+        sampler: Sampler,
+        tok: Tokenizer,
+        task: ChainTaskConfig,
+        problems: list[Problem],
+        spec: AttentionSpec = AttentionSpec(),
+        batch_size: int = 64,
+    ):
         self.sampler, self.tok, self.problems, self.spec = sampler, tok, problems, spec
         self.batch_size = min(batch_size, len(problems))
         self.max_new = batches.completion_budget(task)
         self.prompt_width = batches.prompt_buffer(task)
 
-    def _accuracy(self, params, cfg: SamplingConfig, key, lora=None, lora_scale=1.0,
-                  spec: AttentionSpec | None = None):
+    def _accuracy(
+        self,
+        params,
+        cfg: SamplingConfig,
+        key,
+        lora=None,
+        lora_scale=1.0,
+        spec: AttentionSpec | None = None,
+    ):
         spec = self.spec if spec is None else spec
         correct = []
         for start in range(0, len(self.problems), self.batch_size):
-            chunk = self.problems[start:start + self.batch_size]
+            chunk = self.problems[start : start + self.batch_size]
             pad = self.batch_size - len(chunk)  # keep one static batch shape
-            prompts, lengths = batches.encode_prompts(self.tok, chunk + chunk[:1] * pad,
-                                                      self.prompt_width)
+            prompts, lengths = batches.encode_prompts(
+                self.tok, chunk + chunk[:1] * pad, self.prompt_width
+            )
             key, sub = jax.random.split(key)
             rollout = self.sampler(params, prompts, lengths, sub, cfg, spec, lora, lora_scale)
             r, _ = score(self.tok, rollout, chunk + chunk[:1] * pad)
-            correct.append(r.reshape(len(chunk) + pad, -1)[:len(chunk)])
+            correct.append(r.reshape(len(chunk) + pad, -1)[: len(chunk)])
         return float(np.mean(np.concatenate(correct) == 1.0))
 
-    def greedy(self, params, lora=None, lora_scale=1.0,
-               spec: AttentionSpec | None = None) -> float:
-        cfg = SamplingConfig(max_new_tokens=self.max_new, eos_id=self.tok.eos_id,
-                             pad_id=self.tok.pad_id, temperature=0.0)
+    def greedy(self, params, lora=None, lora_scale=1.0, spec: AttentionSpec | None = None) -> float:
+        cfg = SamplingConfig(
+            max_new_tokens=self.max_new,
+            eos_id=self.tok.eos_id,
+            pad_id=self.tok.pad_id,
+            temperature=0.0,
+        )
         return self._accuracy(params, cfg, jax.random.key(0), lora, lora_scale, spec)
 
-    def mean_at_k(self, params, k: int, temperature: float, key, lora=None,
-                  lora_scale=1.0, spec: AttentionSpec | None = None) -> float:
-        cfg = SamplingConfig(max_new_tokens=self.max_new, eos_id=self.tok.eos_id,
-                             pad_id=self.tok.pad_id, temperature=temperature,
-                             samples_per_prompt=k)
+    def mean_at_k(
+        self,
+        params,
+        k: int,
+        temperature: float,
+        key,
+        lora=None,
+        lora_scale=1.0,
+        spec: AttentionSpec | None = None,
+    ) -> float:
+        cfg = SamplingConfig(
+            max_new_tokens=self.max_new,
+            eos_id=self.tok.eos_id,
+            pad_id=self.tok.pad_id,
+            temperature=temperature,
+            samples_per_prompt=k,
+        )
         return self._accuracy(params, cfg, key, lora, lora_scale, spec)

@@ -38,14 +38,26 @@ class GRPOSettings:
 
 def loss_terms(params, graphdef, mb: dict, s: GRPOSettings):
     """(numerator, (denominator, metric sums)) of the GRPO loss on one microbatch."""
-    logp, entropy = token_logprobs(graphdef, params, mb["tokens"], temperature=s.temperature,
-                                   spec=s.spec, pages=mb.get("pages"))
+    logp, entropy = token_logprobs(
+        graphdef,
+        params,
+        mb["tokens"],
+        temperature=s.temperature,
+        spec=s.spec,
+        pages=mb.get("pages"),
+    )
     num, den, metrics = losses.policy_loss(
-        logp, mb["old_logp"], mb["adv"], mb["mask"], clip_low=s.clip_low,
-        clip_high=s.clip_high, dual_clip=s.dual_clip, token_weights_BxT=mb.get("is_weights"),
-        agg=s.loss_agg)
-    metrics["entropy_sum"] = losses.masked_sum_count(jax.lax.stop_gradient(entropy),
-                                                     mb["mask"])[0]
+        logp,
+        mb["old_logp"],
+        mb["adv"],
+        mb["mask"],
+        clip_low=s.clip_low,
+        clip_high=s.clip_high,
+        dual_clip=s.dual_clip,
+        token_weights_BxT=mb.get("is_weights"),
+        agg=s.loss_agg,
+    )
+    metrics["entropy_sum"] = losses.masked_sum_count(jax.lax.stop_gradient(entropy), mb["mask"])[0]
     if s.kl_coef > 0:
         kl = losses.kl_estimate(logp, mb["ref_logp"], s.kl_kind)
         kl_num, _ = losses.aggregate(kl, mb["mask"], s.loss_agg)
@@ -56,22 +68,31 @@ def loss_terms(params, graphdef, mb: dict, s: GRPOSettings):
     return num, (den, metrics)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "tx", "settings"),
-                   donate_argnums=(0, 1))
+@functools.partial(jax.jit, static_argnames=("graphdef", "tx", "settings"), donate_argnums=(0, 1))
 def grpo_update(params, opt_state, mb: dict, *, graphdef, tx, settings: GRPOSettings):
     """One optimizer step on a minibatch. Returns (params, opt_state, metric sums)."""
     terms = lambda p, one: loss_terms(p, graphdef, one, settings)
     mb = sharding.constrain_batch(mb)  # on a mesh: outputs pinned to the rules (sharding.py)
     return sharding.constrain_update(
-        accumulated_update(terms, params, opt_state, mb, settings.microbatches, tx))
+        accumulated_update(terms, params, opt_state, mb, settings.microbatches, tx)
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "spec", "chunks"))
-def recompute_logprobs(params, tokens_BxS, pages=None, *, graphdef, temperature: float,
-                       spec: AttentionSpec = AttentionSpec(), chunks: int = 1):
+def recompute_logprobs(
+    params,
+    tokens_BxS,
+    pages=None,
+    *,
+    graphdef,
+    temperature: float,
+    spec: AttentionSpec = AttentionSpec(),
+    chunks: int = 1,
+):
     """Trainer log-probs (old policy / reference) of a rollout batch, no gradient, over
     `chunks` groups of rows in sequence (steps.map_row_chunks). With a sparse spec and the
     rollout's pages: the teacher-forced sparse forward."""
-    fn = lambda r: token_logprobs(graphdef, params, r["tokens"], temperature=temperature,
-                                  spec=spec, pages=r["pages"])
+    fn = lambda r: token_logprobs(
+        graphdef, params, r["tokens"], temperature=temperature, spec=spec, pages=r["pages"]
+    )
     return map_row_chunks(fn, {"tokens": tokens_BxS, "pages": pages}, chunks)

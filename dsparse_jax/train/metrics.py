@@ -25,6 +25,7 @@ class MetricsWriter:
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
+
             self._tb = SummaryWriter(os.path.join(workdir, "tb"))
 
     def write(self, phase: str, step: int, metrics: dict) -> dict:
@@ -50,8 +51,10 @@ class MetricsWriter:
         for l in lines:
             r = _parse(l)
             if r is None:
-                print(f"[metrics] WARNING: dropping an unreadable line of {self.path}: "
-                      f"{l[:80]!r}", flush=True)
+                print(
+                    f"[metrics] WARNING: dropping an unreadable line of {self.path}: {l[:80]!r}",
+                    flush=True,
+                )
             elif not (r["phase"] == phase and r["step"] > step):
                 keep.append(l if l.endswith("\n") else l + "\n")
         if keep != lines:
@@ -105,5 +108,9 @@ class Progress:
         bar = "#" * int(20 * frac) + "." * (20 - int(20 * frac))
         shown = " ".join(f"{k} {float(metrics[k]):.3g}" for k in keys if k in metrics)
         eta_s = _fmt_time(eta) if math.isfinite(eta) else "?"
-        print(f"[{self.name}] {bar} {step}/{self.total} {shown} | {_fmt_time(elapsed)} "
-              f"elapsed, ETA {eta_s}", file=self.stream, flush=True)
+        print(
+            f"[{self.name}] {bar} {step}/{self.total} {shown} | {_fmt_time(elapsed)} "
+            f"elapsed, ETA {eta_s}",
+            file=self.stream,
+            flush=True,
+        )

@@ -42,10 +42,13 @@ def main(config, workdir: str) -> dict:
         f.write(config.to_json_best_effort(indent=2))
     t0 = time.time()
     ctx = context.build(config)
-    print(f"[run] {config.name}: model {ctx.model_cfg.d_model}d x {ctx.model_cfg.num_layers} "
-          f"layers, {ctx.num_params / 1e6:.2f}M params, vocab {ctx.tok.vocab_size}; "
-          f"task {sources.describe(ctx.task)}, sequences of {ctx.seq_width} tokens; "
-          f"workdir {workdir}", flush=True)
+    print(
+        f"[run] {config.name}: model {ctx.model_cfg.d_model}d x {ctx.model_cfg.num_layers} "
+        f"layers, {ctx.num_params / 1e6:.2f}M params, vocab {ctx.tok.vocab_size}; "
+        f"task {sources.describe(ctx.task)}, sequences of {ctx.seq_width} tokens; "
+        f"workdir {workdir}",
+        flush=True,
+    )
     # Multi-host: process 0 logs to the workdir, the others to <workdir>/process<i>.
     pid = jax.process_index()
     log_dir = workdir if pid == 0 else os.path.join(workdir, f"process{pid}")
@@ -57,9 +60,11 @@ def main(config, workdir: str) -> dict:
     finally:
         writer.close()
     evals = [r for r in read_metrics(log_dir) if r["phase"] == "eval"]
-    summary = {"sft_greedy_accuracy": sft_acc,
-               "rl_greedy_accuracy": evals[-1]["greedy_accuracy"] if evals else None,
-               "wall_time_s": time.time() - t0}
+    summary = {
+        "sft_greedy_accuracy": sft_acc,
+        "rl_greedy_accuracy": evals[-1]["greedy_accuracy"] if evals else None,
+        "wall_time_s": time.time() - t0,
+    }
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(f"[run] done: {json.dumps(summary)}", flush=True)

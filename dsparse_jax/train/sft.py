@@ -18,9 +18,14 @@ from dsparse_jax.train.metrics import MetricsWriter, Progress
 
 
 def _optimizer(c):
-    return steps.make_optimizer(c.learning_rate, warmup_steps=c.warmup_steps,
-                                total_steps=c.max_steps, weight_decay=c.weight_decay,
-                                max_grad_norm=c.max_grad_norm, schedule="constant")
+    return steps.make_optimizer(
+        c.learning_rate,
+        warmup_steps=c.warmup_steps,
+        total_steps=c.max_steps,
+        weight_decay=c.weight_decay,
+        max_grad_norm=c.max_grad_norm,
+        schedule="constant",
+    )
 
 
 def _read_done(path: str) -> dict | None:
@@ -41,8 +46,7 @@ def warm_start(ctx: RunContext, workdir: str, writer: MetricsWriter):
     """Returns SFT params: from the cache when done earlier, else trains (resumably)."""
     c = ctx.config.sft
     if not c.get("enabled", True):  # real data from a pretrained checkpoint: no SFT
-        print("[sft] skipped (sft.enabled=False): RL starts from the initial weights",
-              flush=True)
+        print("[sft] skipped (sft.enabled=False): RL starts from the initial weights", flush=True)
         return ctx.init_params, None
     done_path = os.path.join(workdir, "sft", "DONE.json")
     tx = _optimizer(c)
@@ -50,8 +54,9 @@ def warm_start(ctx: RunContext, workdir: str, writer: MetricsWriter):
     ckpt = checkpoints.Checkpointer(workdir, "sft", keep=2)
     params, opt_state, step = ctx.init_params, template_opt, 0
     try:
-        found = ckpt.restore_latest(checkpoints.to_saveable(
-            params, opt_state, rng=jax.random.key(0), step=0))
+        found = ckpt.restore_latest(
+            checkpoints.to_saveable(params, opt_state, rng=jax.random.key(0), step=0)
+        )
     except (checkpoints.CheckpointError, checkpoints.IncompatibleCheckpoint) as e:
         raise SystemExit(f"[sft] cannot resume from {ckpt.directory}: {e}") from None
     accuracy = None
@@ -59,8 +64,11 @@ def warm_start(ctx: RunContext, workdir: str, writer: MetricsWriter):
         params, opt_state, _, step, _ = checkpoints.from_saveable(found[1], params, opt_state)
         info = _read_done(done_path)
         if info is not None and info.get("step") == step:
-            print(f"[sft] reusing cached warm start (step {step}, held-out greedy accuracy "
-                  f"{info['accuracy']:.3f})", flush=True)
+            print(
+                f"[sft] reusing cached warm start (step {step}, held-out greedy accuracy "
+                f"{info['accuracy']:.3f})",
+                flush=True,
+            )
             ckpt.close()
             return params, info["accuracy"]
         print(f"[sft] resuming from step {step}", flush=True)
@@ -74,23 +82,28 @@ def warm_start(ctx: RunContext, workdir: str, writer: MetricsWriter):
     while step < c.max_steps and not (accuracy is not None and accuracy >= c.target_accuracy):
         batch = problems(ctx.task, "train", step * c.batch_size, c.batch_size, ctx.config.seed)
         tokens, mask = batches.encode_sft(ctx.tok, batch, ctx.seq_width)
-        params, opt_state, m = steps.sft_step(params, opt_state, tokens, mask,
-                                              graphdef=ctx.graphdef, tx=tx)
+        params, opt_state, m = steps.sft_step(
+            params, opt_state, tokens, mask, graphdef=ctx.graphdef, tx=tx
+        )
         step += 1
         m = jax.device_get(m)
         skips = skips + 1 if m["skipped"] else 0
         if c.max_consecutive_skips and skips >= c.max_consecutive_skips:
             ckpt.close()
-            raise SystemExit(f"[sft] halted at step {step}: {skips} consecutive steps with a "
-                             f"non-finite loss or gradient (sft.max_consecutive_skips="
-                             f"{c.max_consecutive_skips})")
+            raise SystemExit(
+                f"[sft] halted at step {step}: {skips} consecutive steps with a "
+                f"non-finite loss or gradient (sft.max_consecutive_skips="
+                f"{c.max_consecutive_skips})"
+            )
         if step % c.eval_every == 0 or step == c.max_steps:
             accuracy = ctx.evaluator.greedy(params)
             m["eval_greedy_accuracy"] = accuracy
             m["time"] = time.time() - t0
             try:
-                ckpt.save(step, checkpoints.to_saveable(params, opt_state,
-                                                        rng=jax.random.key(0), step=step))
+                ckpt.save(
+                    step,
+                    checkpoints.to_saveable(params, opt_state, rng=jax.random.key(0), step=step),
+                )
             except checkpoints.CheckpointError as e:  # non-finite state: never saved
                 ckpt.close()
                 raise SystemExit(f"[sft] halted at step {step}: {e}") from None
@@ -99,17 +112,26 @@ def warm_start(ctx: RunContext, workdir: str, writer: MetricsWriter):
         progress.update(step, m, ("loss", "eval_greedy_accuracy"))
         if accuracy is not None and accuracy >= c.target_accuracy:
             break
-    ckpt.save(step, checkpoints.to_saveable(params, opt_state, rng=jax.random.key(0),
-                                            step=step), force=True)
+    ckpt.save(
+        step,
+        checkpoints.to_saveable(params, opt_state, rng=jax.random.key(0), step=step),
+        force=True,
+    )
     ckpt.close()
     if accuracy is None:
         accuracy = ctx.evaluator.greedy(params)
     if accuracy < c.target_accuracy:
-        print(f"[sft] WARNING: stopped at sft.max_steps={c.max_steps} with accuracy "
-              f"{accuracy:.3f} < sft.target_accuracy={c.target_accuracy}", flush=True)
+        print(
+            f"[sft] WARNING: stopped at sft.max_steps={c.max_steps} with accuracy "
+            f"{accuracy:.3f} < sft.target_accuracy={c.target_accuracy}",
+            flush=True,
+        )
     if accuracy > c.max_accuracy:
-        print(f"[sft] WARNING: accuracy {accuracy:.3f} > sft.max_accuracy={c.max_accuracy}: "
-              "little room left for RL", flush=True)
+        print(
+            f"[sft] WARNING: accuracy {accuracy:.3f} > sft.max_accuracy={c.max_accuracy}: "
+            "little room left for RL",
+            flush=True,
+        )
     faults.maybe_kill("sft_done", step)  # stopped and saved, DONE.json not yet written
     if jax.process_index() == 0:  # one writer; the other hosts wait for it below
         tmp = done_path + ".tmp"
@@ -118,6 +140,7 @@ def warm_start(ctx: RunContext, workdir: str, writer: MetricsWriter):
         os.replace(tmp, done_path)
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("sft_done")
-    print(f"[sft] warm start done at step {step}: held-out greedy accuracy {accuracy:.3f}",
-          flush=True)
+    print(
+        f"[sft] warm start done at step {step}: held-out greedy accuracy {accuracy:.3f}", flush=True
+    )
     return params, accuracy

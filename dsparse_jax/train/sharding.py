@@ -52,9 +52,13 @@ LINEAR_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
 # Per weight name: the mesh axis of each dimension (None: replicated).
 WEIGHT_RULES = {
     "embed": ("tensor", "fsdp"),
-    "q": ("fsdp", "tensor", None), "k": ("fsdp", "tensor", None),
-    "v": ("fsdp", "tensor", None), "o": ("tensor", None, "fsdp"),
-    "gate": ("fsdp", "tensor"), "up": ("fsdp", "tensor"), "down": ("tensor", "fsdp"),
+    "q": ("fsdp", "tensor", None),
+    "k": ("fsdp", "tensor", None),
+    "v": ("fsdp", "tensor", None),
+    "o": ("tensor", None, "fsdp"),
+    "gate": ("fsdp", "tensor"),
+    "up": ("fsdp", "tensor"),
+    "down": ("tensor", "fsdp"),
 }
 N_IN = {"o": 2}  # input dims of each linear map (LoRA a covers them); others: 1
 
@@ -67,16 +71,18 @@ def mesh_shape(section, num_devices: int) -> tuple[int, int, int]:
     f = int(section.get("fsdp", 1)) if section is not None else 1
     t = int(section.get("tensor", 1)) if section is not None else 1
     if f < 1 or t < 1 or d == 0 or d < -1:
-        raise ValueError(f"config.mesh: fsdp, tensor >= 1 and data >= 1 or -1, got "
-                         f"({d}, {f}, {t})")
+        raise ValueError(f"config.mesh: fsdp, tensor >= 1 and data >= 1 or -1, got ({d}, {f}, {t})")
     if d == -1:
         if num_devices % (f * t):
-            raise ValueError(f"config.mesh: {num_devices} devices are not divisible by "
-                             f"fsdp x tensor = {f * t}")
+            raise ValueError(
+                f"config.mesh: {num_devices} devices are not divisible by fsdp x tensor = {f * t}"
+            )
         d = num_devices // (f * t)
     if d * f * t != num_devices and d * f * t != 1:  # 1 x 1 x 1: one device, unsharded
-        raise ValueError(f"config.mesh: data x fsdp x tensor = {d} x {f} x {t} = {d * f * t} "
-                         f"but there are {num_devices} devices")
+        raise ValueError(
+            f"config.mesh: data x fsdp x tensor = {d} x {f} x {t} = {d * f * t} "
+            f"but there are {num_devices} devices"
+        )
     return d, f, t
 
 
@@ -96,8 +102,10 @@ def make_mesh(shape: tuple[int, int, int], devices=None) -> Mesh:
         arr = np.array(_process_major(devices), dtype=object).reshape(shape)
         mesh = Mesh(arr, AXES, axis_types=auto)
     if not _blocks_ok(mesh):
-        raise ValueError(f"mesh {shape}: each process must own whole tensor groups "
-                         "(tensor must divide the local device count)")
+        raise ValueError(
+            f"mesh {shape}: each process must own whole tensor groups "
+            "(tensor must divide the local device count)"
+        )
     return mesh
 
 
@@ -114,8 +122,9 @@ def _blocks_ok(mesh) -> bool:
         return False
     n = len(set(owner.tolist()))
     per = owner.size // n
-    return owner.size % n == 0 and all(len(set(owner[i * per:(i + 1) * per])) == 1
-                                       for i in range(n))
+    return owner.size % n == 0 and all(
+        len(set(owner[i * per : (i + 1) * per])) == 1 for i in range(n)
+    )
 
 
 # ----------------------------------------------------------------------------------- rules
@@ -128,9 +137,11 @@ def _axis_size(mesh, axis) -> int:
 
 def fit(mesh, axes, shape) -> P:
     """PartitionSpec with every axis whose size does not divide its dimension dropped."""
-    axes = tuple(axes)[:len(shape)]
-    out = [a if a is not None and dim % _axis_size(mesh, a) == 0 and _axis_size(mesh, a) > 1
-           else None for a, dim in zip(axes, shape)]
+    axes = tuple(axes)[: len(shape)]
+    out = [
+        a if a is not None and dim % _axis_size(mesh, a) == 0 and _axis_size(mesh, a) > 1 else None
+        for a, dim in zip(axes, shape)
+    ]
     while out and out[-1] is None:
         out.pop()
     return P(*out)
@@ -158,7 +169,8 @@ def leaf_axes(path, ndim: int) -> tuple:
 def state_specs(tree, mesh):
     """PartitionSpecs of params, a LoRA tree or an optimizer state (same tree structure)."""
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: fit(mesh, leaf_axes(p, np.ndim(x)), np.shape(x)), tree)
+        lambda p, x: fit(mesh, leaf_axes(p, np.ndim(x)), np.shape(x)), tree
+    )
 
 
 def batch_spec(mesh, shape) -> P:
@@ -259,21 +271,25 @@ class MeshPlan:
     # -- batches
     def check_batch(self, rows: int, what: str) -> None:
         if rows % self.batch_shards:
-            raise ValueError(f"{what} = {rows} rows is not divisible by the mesh's batch "
-                             f"shards data x fsdp = {self.batch_shards} "
-                             f"(mesh {dict(self.mesh.shape)})")
+            raise ValueError(
+                f"{what} = {rows} rows is not divisible by the mesh's batch "
+                f"shards data x fsdp = {self.batch_shards} "
+                f"(mesh {dict(self.mesh.shape)})"
+            )
 
     def shard_batch(self, tree):
         """[B, ...] arrays (global values, the same on every process) -> batch-sharded."""
         return jax.tree.map(
-            lambda x: self.put(x, self.sharding(batch_spec(self.mesh, np.shape(x)))), tree)
+            lambda x: self.put(x, self.sharding(batch_spec(self.mesh, np.shape(x)))), tree
+        )
 
     def take_rows(self, tree, rows):
         """tree of [B, ...] arrays -> their rows `rows` (numpy, the same on every
         process), gathered on the mesh and batch-sharded."""
         rows = np.asarray(rows, np.int32)
-        out = jax.tree.map(lambda x: self.sharding(batch_spec(
-            self.mesh, (len(rows),) + tuple(x.shape[1:]))), tree)
+        out = jax.tree.map(
+            lambda x: self.sharding(batch_spec(self.mesh, (len(rows),) + tuple(x.shape[1:]))), tree
+        )
         return _take(tree, self.replicate(rows), out)
 
     def global_batch(self, local_rows):
@@ -283,7 +299,8 @@ class MeshPlan:
             return self.shard_batch(local_rows)
         shape = (local_rows.shape[0] * jax.process_count(),) + local_rows.shape[1:]
         return jax.make_array_from_process_local_data(
-            self.sharding(batch_spec(self.mesh, shape)), local_rows, shape)
+            self.sharding(batch_spec(self.mesh, shape)), local_rows, shape
+        )
 
     def local_slice(self, rows: int) -> slice:
         """This process's block of a global batch of `rows` (the placement rule)."""
@@ -296,8 +313,11 @@ class MeshPlan:
         """This process's rows of a batch-sharded global array, as numpy."""
         if not self.multiprocess:
             return np.asarray(x)
-        return np.asarray(multihost_utils.global_array_to_host_local_array(
-            x, self.mesh, batch_spec(self.mesh, x.shape)))
+        return np.asarray(
+            multihost_utils.global_array_to_host_local_array(
+                x, self.mesh, batch_spec(self.mesh, x.shape)
+            )
+        )
 
     def local_rollout(self, rollout):
         """This process's rows of a Rollout's [B, ...] arrays, as numpy (for grading)."""
@@ -306,7 +326,10 @@ class MeshPlan:
             prompt_lengths=self.local_rows(rollout.prompt_lengths),
             completion_lengths=self.local_rows(rollout.completion_lengths),
             completion_mask=self.local_rows(rollout.completion_mask),
-            logprobs=self.local_rows(rollout.logprobs), page_ids={}, top_logprobs=None)
+            logprobs=self.local_rows(rollout.logprobs),
+            page_ids={},
+            top_logprobs=None,
+        )
 
     def gather_rows(self, local) -> np.ndarray:
         """Every process's rows (in process order), on every process."""
@@ -349,11 +372,13 @@ def host_local_to_global(tree):
     save from all hosts. Unchanged on one process."""
     if jax.process_count() == 1:
         return tree
+
     def conv(x):
         if not (isinstance(x, jax.Array) and x.is_fully_addressable):
             return x
         v = np.asarray(x)
         return jax.make_array_from_callback(v.shape, _everywhere(), lambda idx: v[idx])
+
     return jax.tree.map(conv, tree)
 
 
@@ -362,11 +387,13 @@ def global_targets(abstract):
     over all devices (orbax restores global arrays only). Unchanged on one process."""
     if jax.process_count() == 1:
         return abstract
+
     def conv(a):
         sh = getattr(a, "sharding", None)
         if isinstance(a, jax.ShapeDtypeStruct) and sh is not None and sh.is_fully_addressable:
             return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_everywhere())
         return a
+
     return jax.tree.map(conv, abstract)
 
 
@@ -387,12 +414,16 @@ def check_rl_batches(plan: MeshPlan | None, rl) -> None:
     p, n = rl.prompts_per_step, rl.samples_per_prompt
     m = rl.samples_generated or n
     if p % procs:
-        raise ValueError(f"config.rl.prompts_per_step = {p} is not divisible by the "
-                         f"{procs} processes (each host generates P / processes prompts)")
+        raise ValueError(
+            f"config.rl.prompts_per_step = {p} is not divisible by the "
+            f"{procs} processes (each host generates P / processes prompts)"
+        )
     plan.check_batch(p, "config.rl.prompts_per_step")
     plan.check_batch(p * m, "the rollout batch prompts_per_step x samples_generated")
-    plan.check_batch(p * n // rl.minibatches,
-                     "a minibatch (prompts_per_step x samples_per_prompt / rl.minibatches)")
+    plan.check_batch(
+        p * n // rl.minibatches,
+        "a minibatch (prompts_per_step x samples_per_prompt / rl.minibatches)",
+    )
 
 
 @contextlib.contextmanager
@@ -411,7 +442,22 @@ def as_global(plan: MeshPlan | None, x):
     return x if plan is None else plan.shard_batch(x)
 
 
-__all__ = ["AXES", "BATCH", "MeshPlan", "make_mesh", "mesh_shape", "plan_from_config",
-           "state_specs", "batch_spec", "cache_spec", "constrain_state", "constrain_batch",
-           "constrain_cache", "constrain_update", "to_host", "check_rl_batches",
-           "maybe_active", "as_global"]
+__all__ = [
+    "AXES",
+    "BATCH",
+    "MeshPlan",
+    "make_mesh",
+    "mesh_shape",
+    "plan_from_config",
+    "state_specs",
+    "batch_spec",
+    "cache_spec",
+    "constrain_state",
+    "constrain_batch",
+    "constrain_cache",
+    "constrain_update",
+    "to_host",
+    "check_rl_batches",
+    "maybe_active",
+    "as_global",
+]

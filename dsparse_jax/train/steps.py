@@ -18,9 +18,18 @@ from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.rl import losses
 
 
-def token_logprobs(graphdef, params, tokens_BxS, *, temperature: float = 1.0,
-                   spec: AttentionSpec = AttentionSpec(), pages=None, lora=None,
-                   lora_scale: float = 1.0, with_logits: bool = False):
+def token_logprobs(
+    graphdef,
+    params,
+    tokens_BxS,
+    *,
+    temperature: float = 1.0,
+    spec: AttentionSpec = AttentionSpec(),
+    pages=None,
+    lora=None,
+    lora_scale: float = 1.0,
+    with_logits: bool = False,
+):
     """Teacher-forced log p(token_s | tokens_<s) under log_softmax(logits / temperature).
 
     Returns (logp_BxS, entropy_BxS) and, if with_logits, the scaled logits [B, S, V]
@@ -38,21 +47,32 @@ def token_logprobs(graphdef, params, tokens_BxS, *, temperature: float = 1.0,
     return (logp, entropy, logits) if with_logits else (logp, entropy)
 
 
-def make_optimizer(learning_rate: float, *, warmup_steps: int, total_steps: int,
-                   weight_decay: float, max_grad_norm: float, b1: float = 0.9,
-                   b2: float = 0.999, schedule: str = "cosine"):
+def make_optimizer(
+    learning_rate: float,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    weight_decay: float,
+    max_grad_norm: float,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    schedule: str = "cosine",
+):
     """AdamW with linear warmup, then cosine decay (to 10%) or constant; global-norm clip."""
     warmup = optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1))
     if schedule == "cosine":
-        after = optax.cosine_decay_schedule(learning_rate, max(total_steps - warmup_steps, 1),
-                                            alpha=0.1)
+        after = optax.cosine_decay_schedule(
+            learning_rate, max(total_steps - warmup_steps, 1), alpha=0.1
+        )
     elif schedule == "constant":
         after = optax.constant_schedule(learning_rate)
     else:
         raise ValueError(f"unknown schedule {schedule!r} (cosine | constant)")
     lr = optax.join_schedules([warmup, after], [warmup_steps])
-    return optax.chain(optax.clip_by_global_norm(max_grad_norm),
-                       optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay))
+    return optax.chain(
+        optax.clip_by_global_norm(max_grad_norm),
+        optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay),
+    )
 
 
 def apply_update(tx, params, opt_state, grads, loss=None):
@@ -72,11 +92,15 @@ def apply_update(tx, params, opt_state, grads, loss=None):
 
 def split_microbatches(mb: dict, n: int) -> dict:
     """[B, ...] arrays -> [n, B / n, ...] (clear error when B is not divisible)."""
+
     def split(x):
         if x.shape[0] % n:
-            raise ValueError(f"a batch of {x.shape[0]} rows is not divisible into {n} "
-                             "equal chunks (rl.minibatches x rl.microbatches)")
+            raise ValueError(
+                f"a batch of {x.shape[0]} rows is not divisible into {n} "
+                "equal chunks (rl.minibatches x rl.microbatches)"
+            )
         return x.reshape(n, x.shape[0] // n, *x.shape[1:])
+
     return jax.tree.map(split, mb)
 
 
@@ -102,8 +126,12 @@ def accumulated_update(terms_fn, wrt, opt_state, mb: dict, microbatches: int, tx
     def body(acc, one):
         (num, (den, m)), grads = grad_fn(wrt, one)
         g_acc, num_acc, den_acc, m_acc = acc
-        return (jax.tree.map(jnp.add, g_acc, grads), num_acc + num, den_acc + den,
-                jax.tree.map(jnp.add, m_acc, m)), None
+        return (
+            jax.tree.map(jnp.add, g_acc, grads),
+            num_acc + num,
+            den_acc + den,
+            jax.tree.map(jnp.add, m_acc, m),
+        ), None
 
     first = jax.tree.map(lambda x: x[0], micro)
     zeros_m = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: terms_fn(wrt, first)[1][1]))
@@ -126,7 +154,16 @@ def sft_loss(params, graphdef, tokens_BxS, mask_BxS):
 @functools.partial(jax.jit, static_argnames=("graphdef", "tx"), donate_argnums=(0, 1))
 def sft_step(params, opt_state, tokens_BxS, mask_BxS, *, graphdef, tx):
     (loss, ntok), grads = jax.value_and_grad(sft_loss, has_aux=True)(
-        params, graphdef, tokens_BxS, mask_BxS)
+        params, graphdef, tokens_BxS, mask_BxS
+    )
     params, opt_state, gnorm, finite = apply_update(tx, params, opt_state, grads, loss=loss)
-    return params, opt_state, {"loss": loss, "grad_norm": gnorm, "tokens": ntok,
-                               "skipped": 1.0 - finite.astype(jnp.float32)}
+    return (
+        params,
+        opt_state,
+        {
+            "loss": loss,
+            "grad_norm": gnorm,
+            "tokens": ntok,
+            "skipped": 1.0 - finite.astype(jnp.float32),
+        },
+    )

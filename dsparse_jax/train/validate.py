@@ -42,19 +42,28 @@ def _get(c, field):
 
 def _lr(c, field):
     v = _get(c, field)
-    _check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-           and v > 0, field, f"must be finite and > 0, got {v!r}")
+    _check(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
+        field,
+        f"must be finite and > 0, got {v!r}",
+    )
 
 
 def _nonneg(c, field, integer: bool = False):
     v = _get(c, field)
-    ok = (isinstance(v, int) if integer else isinstance(v, (int, float)) and math.isfinite(v))
-    _check(ok and not isinstance(v, bool) and v >= 0, field,
-           f"must be {'an integer' if integer else 'finite and'} >= 0, got {v!r}")
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float)) and math.isfinite(v)
+    _check(
+        ok and not isinstance(v, bool) and v >= 0,
+        field,
+        f"must be {'an integer' if integer else 'finite and'} >= 0, got {v!r}",
+    )
 
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "configs", "gemma_math.py")
+DEFAULT_CONFIG = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "configs",
+    "gemma_math.py",
+)
 
 
 def load_config(path: str = DEFAULT_CONFIG):
@@ -93,33 +102,67 @@ def validate(c, reference=None) -> None:
     if reference is not None:
         check_keys(c, reference)
     _check(isinstance(c.seed, int) and c.seed >= 0, "seed", "must be an integer >= 0")
-    _check(c.model.preset in PRESETS, "model.preset", f"unknown preset {c.model.preset!r}, "
-           f"choose from {sorted(PRESETS)}")
+    _check(
+        c.model.preset in PRESETS,
+        "model.preset",
+        f"unknown preset {c.model.preset!r}, choose from {sorted(PRESETS)}",
+    )
     for f in ("model.param_dtype", "model.dtype"):
         _check(_get(c, f) in ("float32", "bfloat16"), f, "must be float32 or bfloat16")
-    for f in ("task.num_vars", "task.num_terms", "attention.page_size", "sft.max_steps",
-              "sft.batch_size", "sft.eval_every", "rl.num_steps", "rl.prompts_per_step",
-              "rl.samples_per_prompt", "rl.minibatches", "rl.microbatches", "eval.every",
-              "eval.num_problems", "checkpoint.every", "checkpoint.keep"):
+    for f in (
+        "task.num_vars",
+        "task.num_terms",
+        "attention.page_size",
+        "sft.max_steps",
+        "sft.batch_size",
+        "sft.eval_every",
+        "rl.num_steps",
+        "rl.prompts_per_step",
+        "rl.samples_per_prompt",
+        "rl.minibatches",
+        "rl.microbatches",
+        "eval.every",
+        "eval.num_problems",
+        "checkpoint.every",
+        "checkpoint.keep",
+    ):
         _positive_int(c, f)
-    _check(c.task.num_terms <= c.task.num_vars, "task.num_terms",
-           f"must be <= task.num_vars ({c.task.num_vars})")
+    _check(
+        c.task.num_terms <= c.task.num_vars,
+        "task.num_terms",
+        f"must be <= task.num_vars ({c.task.num_vars})",
+    )
     _check(c.attention.impl in IMPLS, "attention.impl", f"must be one of {IMPLS}")
     for f in ("sft.learning_rate", "rl.learning_rate", "rl.max_grad_norm", "sft.max_grad_norm"):
         _lr(c, f)
-    for f in ("sft.warmup_steps", "rl.warmup_steps", "sft.max_consecutive_skips",
-              "rl.max_consecutive_skips", "rl.grow_buffer_from"):
+    for f in (
+        "sft.warmup_steps",
+        "rl.warmup_steps",
+        "sft.max_consecutive_skips",
+        "rl.max_consecutive_skips",
+        "rl.grow_buffer_from",
+    ):
         _nonneg(c, f, integer=True)
     for f in ("sft.weight_decay", "rl.weight_decay", "lora.weight_decay"):
         _nonneg(c, f)
-    _check(isinstance(c.task.format_reward, (int, float)) and math.isfinite(c.task.format_reward)
-           and c.task.format_reward < 1, "task.format_reward",
-           "must be finite and < 1 (the reward of a right answer)")
+    _check(
+        isinstance(c.task.format_reward, (int, float))
+        and math.isfinite(c.task.format_reward)
+        and c.task.format_reward < 1,
+        "task.format_reward",
+        "must be finite and < 1 (the reward of a right answer)",
+    )
     _check(0.0 <= c.sft.target_accuracy <= 1.0, "sft.target_accuracy", "must be in [0, 1]")
-    _check(c.rl.samples_per_prompt >= 2, "rl.samples_per_prompt",
-           "must be >= 2 (group-relative advantages need a group)")
-    _check(math.isfinite(c.rl.temperature) and c.rl.temperature > 0, "rl.temperature",
-           "must be finite and > 0 for RL sampling")
+    _check(
+        c.rl.samples_per_prompt >= 2,
+        "rl.samples_per_prompt",
+        "must be >= 2 (group-relative advantages need a group)",
+    )
+    _check(
+        math.isfinite(c.rl.temperature) and c.rl.temperature > 0,
+        "rl.temperature",
+        "must be finite and > 0 for RL sampling",
+    )
     _check(0 <= c.rl.clip_low < 1, "rl.clip_low", "must be in [0, 1)")
     _check(c.rl.clip_high >= 0, "rl.clip_high", "must be >= 0")
     _check(c.rl.dual_clip == 0 or c.rl.dual_clip > 1, "rl.dual_clip", "must be 0 (off) or > 1")
@@ -128,10 +171,16 @@ def validate(c, reference=None) -> None:
     _check(c.rl.kl_coef >= 0, "rl.kl_coef", "must be >= 0")
     _check(c.rl.schedule in ("cosine", "constant"), "rl.schedule", "must be cosine or constant")
     batch = c.rl.prompts_per_step * c.rl.samples_per_prompt
-    _check(batch % c.rl.minibatches == 0, "rl.minibatches",
-           f"must divide the rollout batch prompts_per_step * samples_per_prompt = {batch}")
-    _check((batch // c.rl.minibatches) % c.rl.microbatches == 0, "rl.microbatches",
-           f"must divide the minibatch size {batch // c.rl.minibatches}")
+    _check(
+        batch % c.rl.minibatches == 0,
+        "rl.minibatches",
+        f"must divide the rollout batch prompts_per_step * samples_per_prompt = {batch}",
+    )
+    _check(
+        (batch // c.rl.minibatches) % c.rl.microbatches == 0,
+        "rl.microbatches",
+        f"must divide the minibatch size {batch // c.rl.minibatches}",
+    )
     _check(c.eval.mean_at_k >= 0, "eval.mean_at_k", "must be >= 0")
     _validate_modes(c)
     _validate_shapes(c)
@@ -143,13 +192,15 @@ def _validate_shapes(c) -> None:
     from dsparse_jax.data import batches
     from dsparse_jax.data.math_task import ChainTaskConfig
     from dsparse_jax.model.config import ModelConfig, preset
+
     source = c.data.source if "data" in c else "synthetic:chain"
     page = c.attention.page_size
     if str(source).startswith("synthetic:"):
         t = c.task
         try:
-            task = ChainTaskConfig(num_vars=t.num_vars, num_terms=t.num_terms,
-                                   name_digits=t.name_digits)
+            task = ChainTaskConfig(
+                num_vars=t.num_vars, num_terms=t.num_terms, name_digits=t.name_digits
+            )
         except ValueError as e:  # its messages start with the field's name
             raise ConfigError(f"config.task.{str(e).split(' ')[0]}: {e}") from None
         prompt, gen = batches.prompt_buffer(task), batches.completion_budget(task)
@@ -161,10 +212,16 @@ def _validate_shapes(c) -> None:
         prompt, gen = c.data.max_prompt_tokens, c.data.max_new_tokens
         cache = -(-(prompt + gen) // page) * page
         gen_field = "data.max_new_tokens"
-    _check(cache % page == 0, "attention.page_size",
-           f"must divide the KV cache length ({cache} tokens)")
-    _check(prompt + gen <= cache, gen_field,
-           f"prompt ({prompt}) + generation ({gen}) tokens exceed the KV cache ({cache})")
+    _check(
+        cache % page == 0,
+        "attention.page_size",
+        f"must divide the KV cache length ({cache} tokens)",
+    )
+    _check(
+        prompt + gen <= cache,
+        gen_field,
+        f"prompt ({prompt}) + generation ({gen}) tokens exceed the KV cache ({cache})",
+    )
     if not c.model.get("checkpoint_dir", ""):
         names = {f.name for f in dataclasses.fields(ModelConfig)}
         overrides = {k: c.model[k] for k in c.model.keys() if k in names}
@@ -173,10 +230,14 @@ def _validate_shapes(c) -> None:
         except (ValueError, TypeError) as e:  # "ModelConfig.<field> must ..."
             m = re.search(r"ModelConfig\.(\w+)", str(e))
             field = f"model.{m.group(1)}" if m else "model"
-            raise ConfigError(f"config.{field}: {str(e).replace('ModelConfig.', 'model.')}") \
-                from None
-        _check(c.sparse.dense_layers <= model.num_layers, "sparse.dense_layers",
-               f"must be <= the model's {model.num_layers} layers")
+            raise ConfigError(
+                f"config.{field}: {str(e).replace('ModelConfig.', 'model.')}"
+            ) from None
+        _check(
+            c.sparse.dense_layers <= model.num_layers,
+            "sparse.dense_layers",
+            f"must be <= the model's {model.num_layers} layers",
+        )
     if "mesh" in c:
         _validate_mesh(c)
 
@@ -187,18 +248,25 @@ def _validate_mesh(c) -> None:
     mesh, r = c.mesh, c.rl
     for f in ("mesh.fsdp", "mesh.tensor"):
         _positive_int(c, f)
-    _check(isinstance(mesh.data, int) and (mesh.data >= 1 or mesh.data == -1), "mesh.data",
-           f"must be >= 1 or -1 (all devices left), got {mesh.data!r}")
+    _check(
+        isinstance(mesh.data, int) and (mesh.data >= 1 or mesh.data == -1),
+        "mesh.data",
+        f"must be >= 1 or -1 (all devices left), got {mesh.data!r}",
+    )
     if mesh.data == -1:
         return
     shards = mesh.data * mesh.fsdp
     m = r.samples_generated or r.samples_per_prompt
-    for rows, what in ((r.prompts_per_step, "rl.prompts_per_step"),
-                       (r.prompts_per_step * m, "the rollout batch prompts_per_step x M"),
-                       (r.prompts_per_step * r.samples_per_prompt // r.minibatches,
-                        "a minibatch")):
-        _check(rows % shards == 0, "mesh.fsdp" if mesh.fsdp > 1 else "mesh.data",
-               f"the batch shards data x fsdp = {shards} must divide {what} ({rows} rows)")
+    for rows, what in (
+        (r.prompts_per_step, "rl.prompts_per_step"),
+        (r.prompts_per_step * m, "the rollout batch prompts_per_step x M"),
+        (r.prompts_per_step * r.samples_per_prompt // r.minibatches, "a minibatch"),
+    ):
+        _check(
+            rows % shards == 0,
+            "mesh.fsdp" if mesh.fsdp > 1 else "mesh.data",
+            f"the batch shards data x fsdp = {shards} must divide {what} ({rows} rows)",
+        )
 
 
 ROLLOUT_MODES = ("dense", "sparse", "sparse_train", "distillsparse")
@@ -208,16 +276,20 @@ def _validate_modes(c) -> None:
     """rl.rollout_mode and its sections: oversampling, IS corrections, sparse, lora, distill."""
     from dsparse_jax.model.lora import parse_targets
     from dsparse_jax.train.distill import DISTILL_LOSSES, KL_KINDS, TEACHERS
+
     r = c.rl
     _check(r.rollout_mode in ROLLOUT_MODES, "rl.rollout_mode", f"must be one of {ROLLOUT_MODES}")
-    _check(isinstance(r.samples_generated, int) and (
-        r.samples_generated == 0 or r.samples_generated >= r.samples_per_prompt),
+    _check(
+        isinstance(r.samples_generated, int)
+        and (r.samples_generated == 0 or r.samples_generated >= r.samples_per_prompt),
         "rl.samples_generated",
-        f"must be 0 (= samples_per_prompt) or >= samples_per_prompt ({r.samples_per_prompt})")
+        f"must be 0 (= samples_per_prompt) or >= samples_per_prompt ({r.samples_per_prompt})",
+    )
     _check(r.selection in ("reward", "acceptance"), "rl.selection", "must be reward or acceptance")
     _check(r.acceptance_C > 0, "rl.acceptance_C", "must be > 0")
-    _check(r.is_correction in ("none", "tis", "mis"), "rl.is_correction",
-           "must be none, tis or mis")
+    _check(
+        r.is_correction in ("none", "tis", "mis"), "rl.is_correction", "must be none, tis or mis"
+    )
     _check(r.tis_cap > 0, "rl.tis_cap", "must be > 0")
     _check(0 < r.mis_lo <= 1, "rl.mis_lo", "must be in (0, 1]")
     _check(r.mis_hi >= 1, "rl.mis_hi", "must be >= 1")
@@ -226,29 +298,43 @@ def _validate_modes(c) -> None:
     _check(s.policy in POLICIES, "sparse.policy", f"must be one of {POLICIES}")
     for f in ("sparse.budget", "sparse.recent_pages"):
         _positive_int(c, f)
-    _check(isinstance(s.sink_pages, int) and s.sink_pages >= 0, "sparse.sink_pages",
-           "must be an integer >= 0")
-    _check(isinstance(s.dense_layers, int) and s.dense_layers >= 0, "sparse.dense_layers",
-           "must be an integer >= 0")
-    _check(s.budget >= s.sink_pages + s.recent_pages, "sparse.budget",
-           f"must be >= sink_pages + recent_pages ({s.sink_pages + s.recent_pages})")
+    _check(
+        isinstance(s.sink_pages, int) and s.sink_pages >= 0,
+        "sparse.sink_pages",
+        "must be an integer >= 0",
+    )
+    _check(
+        isinstance(s.dense_layers, int) and s.dense_layers >= 0,
+        "sparse.dense_layers",
+        "must be an integer >= 0",
+    )
+    _check(
+        s.budget >= s.sink_pages + s.recent_pages,
+        "sparse.budget",
+        f"must be >= sink_pages + recent_pages ({s.sink_pages + s.recent_pages})",
+    )
     _positive_int(c, "lora.rank")
     _check(c.lora.alpha > 0, "lora.alpha", "must be > 0")
     targets = parse_targets(c.lora.targets)
-    _check(bool(targets) and all(t in LINEAR_NAMES for t in targets)
-           and len(set(targets)) == len(targets), "lora.targets",
-           f"must be distinct names from {LINEAR_NAMES} (or all | attn | mlp), got "
-           f"{c.lora.targets!r}")
+    _check(
+        bool(targets)
+        and all(t in LINEAR_NAMES for t in targets)
+        and len(set(targets)) == len(targets),
+        "lora.targets",
+        f"must be distinct names from {LINEAR_NAMES} (or all | attn | mlp), got {c.lora.targets!r}",
+    )
     _lr(c, "lora.learning_rate")
     _lr(c, "lora.max_grad_norm")
     _check(c.lora.warmup_steps >= 0, "lora.warmup_steps", "must be >= 0")
-    _check(c.lora.schedule in ("cosine", "constant"), "lora.schedule",
-           "must be cosine or constant")
+    _check(c.lora.schedule in ("cosine", "constant"), "lora.schedule", "must be cosine or constant")
     d = c.distill
     _check(d.teacher in TEACHERS, "distill.teacher", f"must be one of {TEACHERS}")
     _check(d.loss in DISTILL_LOSSES, "distill.loss", f"must be one of {DISTILL_LOSSES}")
     _check(d.kl in KL_KINDS, "distill.kl", f"must be one of {KL_KINDS}")
     _check(d.kl_coef >= 0, "distill.kl_coef", "must be >= 0")
-    _check(d.loss != "kl_only" or d.kl_coef > 0, "distill.kl_coef",
-           "must be > 0 with distill.loss=kl_only (the loss would be zero)")
+    _check(
+        d.loss != "kl_only" or d.kl_coef > 0,
+        "distill.kl_coef",
+        "must be > 0 with distill.loss=kl_only (the loss would be zero)",
+    )
     _positive_int(c, "metrics.position_bin")
