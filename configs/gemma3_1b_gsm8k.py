@@ -18,22 +18,18 @@ TPU pod slice (run on every host):
     --config.model.checkpoint_dir=$CKPT --config.data.source=jsonl:$DATA/train.jsonl \\
     --config.data.eval_source=jsonl:$DATA/test.jsonl --config.attention.impl=pallas_tpu
 
-Mesh (c.mesh, from configs/gemma_math.py): data = -1 spreads the batch over every device;
+Mesh (c.mesh, from dsparse_jax/config/schema.py): data = -1 spreads the batch over every device;
 where a replica does not fit one chip (e.g. 16 GiB TPU chips), shard it with
 --config.mesh.data=-1 --config.mesh.fsdp=4 (batch sizes must divide the data axis).
 """
 
-import importlib.util
-import os
+from dsparse_jax.config import schema
 
 
 def base_config():
-    """configs/gemma_math.py's config: every real-model config starts from it."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemma_math.py")
-    spec = importlib.util.spec_from_file_location("gemma_math_base", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config()
+    """The schema's defaults (dsparse_jax/config/schema.py): every real-model config
+    starts from them."""
+    return schema.defaults()
 
 
 def apply_paper_settings(c, generation_length: int):

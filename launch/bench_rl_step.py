@@ -41,20 +41,20 @@ _IGNORE_EOS = flags.DEFINE_bool(
     "ignore_eos", True, "Generate the full budget (EOS never ends a completion)."
 )
 
-PHASES = (
+PHASES = (  # train/phases.py: time_<phase> of every phase, and their sum
     "time_rollout",
-    "time_rewards",
-    "time_filter",
+    "time_score",
+    "time_select",
     "time_recompute",
-    "time_update",
-    "time_teacher",
-    "time_phi_update",
+    "time_update_theta",
+    "time_update_phi",
     "time_step",
 )
 
 
 def _sft_params(ctx, workdir):
-    from dsparse_jax.train import checkpoints, sft
+    from dsparse_jax.train import sft
+    from dsparse_jax.reliability import checkpoints
 
     tx = sft._optimizer(ctx.config.sft)
     ckpt = checkpoints.Checkpointer(workdir, "sft", keep=2)
@@ -92,7 +92,7 @@ def main(argv):
 
     from dsparse_jax.data import batches
     from dsparse_jax.train import context, rl_loop
-    from dsparse_jax.train.validate import validate
+    from dsparse_jax.config.validate import validate
 
     results = []
     for terms in map(int, _TERMS.value):
@@ -144,13 +144,13 @@ def main(argv):
             )
             for mode, r in row.items():
                 if mode != "dense":
-                    distill_cost = r["time_phi_update"] + r["time_teacher"]
+                    distill_cost = r["time_update_phi"]
                     print(
                         f"[bench] terms {terms}: {mode} speedup vs dense "
                         f"{d['time_step'] / r['time_step']:.2f}x; rollout "
                         f"{d['time_rollout'] / max(r['time_rollout'], 1e-9):.2f}x; "
                         f"distillation phases / dense update "
-                        f"{distill_cost / max(d['time_update'], 1e-9):.2f}",
+                        f"{distill_cost / max(d['time_update_theta'], 1e-9):.2f}",
                         flush=True,
                     )
     with open(_OUT.value, "w") as f:

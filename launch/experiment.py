@@ -8,7 +8,8 @@ sparsity-level sweep; the report (docs/results.md). Usage: docs/experiments.md.
   python launch/experiment.py report --expdir=runs/exp [--out=docs/results.md]
   python launch/experiment.py status --expdir=runs/exp [--quick ...]   (the plan, no runs)
 
-`run` first trains the SFT warm start once in <expdir>/sft_base (a child process), then
+`run` first trains the SFT warm start once in <expdir>/sft_base (a child process:
+`launch/train.py --sft_only`, the main job's own entry point), then
 gives every run a copy of it as <workdir>/sft (sft.warm_start reuses it), then launches
 each run as `python launch/train.py --config=... --workdir=<expdir>/<variant>_s<seed>
 --config.x=y ...`. Rerunning the same command resumes: a finished run is skipped, an
@@ -35,54 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "gemma_math.py")
 
-# Every variant sets the three fields that define it, so a variant means the same thing
-# whatever the config's defaults are. "2n": rl.samples_generated = 2 * rl.samples_per_prompt.
-VARIANTS = {
-    "dense": {"rl.rollout_mode": "dense", "rl.is_correction": "none", "rl.samples_generated": 0},
-    "sparse": {"rl.rollout_mode": "sparse", "rl.is_correction": "none", "rl.samples_generated": 0},
-    "sparse_train": {
-        "rl.rollout_mode": "sparse_train",
-        "rl.is_correction": "none",
-        "rl.samples_generated": 0,
-    },
-    "sparse_tis": {
-        "rl.rollout_mode": "sparse",
-        "rl.is_correction": "tis",
-        "rl.samples_generated": 0,
-    },
-    "sparse_mis": {
-        "rl.rollout_mode": "sparse",
-        "rl.is_correction": "mis",
-        "rl.samples_generated": 0,
-    },
-    "distillsparse": {
-        "rl.rollout_mode": "distillsparse",
-        "rl.is_correction": "none",
-        "rl.samples_generated": 0,
-    },
-    "distillsparse_m2n": {
-        "rl.rollout_mode": "distillsparse",
-        "rl.is_correction": "none",
-        "rl.samples_generated": "2n",
-    },
-}
-DESCRIPTIONS = {
-    "dense": "dense rollout, dense training",
-    "sparse": "sparse rollout + dense training (naive)",
-    "sparse_train": "sparse rollout + sparse training (trainer on the rollout's pages)",
-    "sparse_tis": "sparse rollout + dense training + TIS",
-    "sparse_mis": "sparse rollout + dense training + MIS",
-    "distillsparse": "DistillSparse (sparse + LoRA actor, LoRA distillation)",
-    "distillsparse_m2n": "DistillSparse + oversampling M = 2n, top-n by reward",
-}
-MAIN = ("dense", "sparse", "distillsparse")  # the main comparison: every seed
-ALIASES = {
-    "sparse+tis": "sparse_tis",
-    "sparse+mis": "sparse_mis",
-    "distillsparse+m2n": "distillsparse_m2n",
-    "distillsparse+M=2n": "distillsparse_m2n",
-    "distillsparse+m=2n": "distillsparse_m2n",
-}
+from dsparse_jax.report.variants import ALIASES, DESCRIPTIONS, MAIN, VARIANTS  # noqa: E402
 
 # Every run (below the quick preset and --set): completion-position bins of 16 tokens for
 # the mismatch metrics (the config's 256 is meant for long generations; the embedded
@@ -229,7 +183,7 @@ def _write_json(path: str, obj) -> None:
 def run_state(workdir: str, num_steps: int) -> tuple[str, int]:
     """('done' | 'partial' | 'new', last RL step logged). Done: summary.json written (the
     run's last act) after RL reached num_steps with the final evaluation logged."""
-    from dsparse_jax.train.metrics import read_metrics
+    from dsparse_jax.report.metrics import read_metrics
 
     records = read_metrics(workdir)
     rl_steps = [r["step"] for r in records if r["phase"] == "rl"]
@@ -330,10 +284,10 @@ def ensure_sft_base(args, common: dict, seed: int) -> str | None:
     }
     cmd = [
         sys.executable,
-        os.path.abspath(__file__),
-        "_sft",
+        os.path.join(ROOT, "launch", "train.py"),
         f"--config={args.config}",
         f"--workdir={base}",
+        "--sft_only",
         *override_args(sft_over),
     ]
     print(f"[experiment] SFT warm start in {base} (log {base}/train.log)", flush=True)
@@ -518,8 +472,8 @@ def measure_sweep(
     from dsparse_jax.sampling.sampler import SamplingConfig
     from dsparse_jax.train import context, distill, rl_loop, sft
     from dsparse_jax.train.evaluation import score
-    from dsparse_jax.train.metrics import MetricsWriter
-    from dsparse_jax.train.validate import validate
+    from dsparse_jax.report.metrics import MetricsWriter
+    from dsparse_jax.config.validate import validate
 
     validate(config)
     ctx = context.build(config)
@@ -716,43 +670,6 @@ def cmd_sweep(args) -> int:
     return 0
 
 
-# ----------------------------------------------------------------------------- SFT child
-def _sft_child(argv: list[str]) -> int:
-    """`experiment.py _sft --config=... --workdir=... --config.x=y`: SFT warm start only."""
-    from absl import flags, logging
-    from ml_collections import config_flags
-
-    fv = flags.FlagValues()
-    argv = ["experiment_sft", *argv]
-    config_flags.DEFINE_config_file(
-        "config", DEFAULT_CONFIG, "config", flag_values=fv, lock_config=True, sys_argv=argv
-    )
-    flags.DEFINE_string("workdir", None, "SFT directory", flag_values=fv)
-    fv(argv)
-    logging.set_verbosity(logging.WARNING)
-    from dsparse_jax.train import context, run, sft
-    from dsparse_jax.train.metrics import MetricsWriter
-    from dsparse_jax.train.validate import validate
-
-    config, workdir = fv.config, fv.workdir
-    validate(config)
-    run.prepare_workdir(workdir)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=2))
-    t0 = time.time()
-    ctx = context.build(config)
-    writer = MetricsWriter(workdir, tensorboard=False)
-    try:
-        _, acc = sft.warm_start(ctx, workdir, writer)
-    finally:
-        writer.close()
-    _write_json(
-        os.path.join(workdir, "summary.json"),
-        {"sft_greedy_accuracy": acc, "wall_time_s": time.time() - t0},
-    )
-    return 0
-
-
 # ------------------------------------------------------------------------------------ CLI
 def _results():
     """launch/results.py as a module (launch/ is not a package)."""
@@ -859,8 +776,6 @@ def _raise_interrupt(signum, frame):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "_sft":
-        return _sft_child(argv[1:])
     if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["run", *argv]  # `experiment.py --expdir=...` = run
     args = build_parser().parse_args(argv)

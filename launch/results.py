@@ -34,7 +34,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from dsparse_jax.train.metrics import read_metrics  # noqa: E402
+from dsparse_jax.report.metrics import read_metrics  # noqa: E402
+from dsparse_jax.report.variants import DESCRIPTIONS, MAIN, ORDER  # noqa: E402
 
 BEGIN = "<!-- BEGIN CONCLUSIONS: human-written, kept as is when the report is regenerated -->"
 END = "<!-- END CONCLUSIONS -->"
@@ -43,16 +44,6 @@ PLACEHOLDER = (
     "did not, with the numbers above; a finding that does not replicate is "
     "reported as such._"
 )
-ORDER = (
-    "dense",
-    "sparse",
-    "sparse_train",
-    "sparse_tis",
-    "sparse_mis",
-    "distillsparse",
-    "distillsparse_m2n",
-)
-MAIN = ("dense", "sparse", "distillsparse")
 _BIN = re.compile(r"^(.*)_bin(\d+)$")
 
 
@@ -228,17 +219,6 @@ def group(runs: list[dict]) -> dict[str, list[dict]]:
 def cell(rs: list[dict], key: str, digits=3) -> str:
     m, s, n = agg(r[key] for r in rs)
     return fmt(m, digits, s)
-
-
-DESCRIPTIONS = {
-    "dense": "dense rollout",
-    "sparse": "sparse rollout + dense training",
-    "sparse_train": "sparse rollout + sparse training",
-    "sparse_tis": "sparse + TIS",
-    "sparse_mis": "sparse + MIS",
-    "distillsparse": "DistillSparse (LoRA only)",
-    "distillsparse_m2n": "DistillSparse + oversampling (M = 2n)",
-}
 
 
 def main_table(runs: list[dict]) -> list[str]:
@@ -437,7 +417,7 @@ def sweep_figure(sweep: dict, path: str) -> str | None:
 
 
 def make_figures(runs: list[dict], fig_dir: str, sweep: dict | None) -> list[str]:
-    from dsparse_jax.rl import plots
+    from dsparse_jax.report import plots
 
     os.makedirs(fig_dir, exist_ok=True)
     written = []

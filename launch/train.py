@@ -1,7 +1,7 @@
 """Main job: SFT warm start (cached), then RL. See configs/gemma_math.py.
 
   python launch/train.py --config=configs/gemma_math.py [--workdir=runs/gemma_math]
-      [--config.rl.learning_rate=3e-4 ...]
+      [--config.rl.learning_rate=3e-4 ...] [--sft_only]
 
 Writes <workdir>/metrics.jsonl, <workdir>/tb (TensorBoard), <workdir>/sft and
 <workdir>/checkpoints (orbax). Rerunning the same command resumes.
@@ -19,6 +19,9 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/gemma_math.py", "Path to a config file with get_config().", lock_config=True
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default runs/<config.name>).")
+_SFT_ONLY = flags.DEFINE_bool(
+    "sft_only", False, "Stop after the SFT warm start (<workdir>/sft), before RL."
+)
 
 
 def main(argv):
@@ -28,7 +31,7 @@ def main(argv):
 
     config = _CONFIG.value
     workdir = _WORKDIR.value or os.path.join("runs", config.name)
-    run.main(config, workdir)
+    run.main(config, workdir, sft_only=_SFT_ONLY.value)
 
 
 if __name__ == "__main__":

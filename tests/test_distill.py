@@ -22,7 +22,7 @@ from dsparse_jax.attention.spec import AttentionSpec, SparseSpec
 from dsparse_jax.model.lora import LoRAConfig, init_lora
 from dsparse_jax.rl.advantages import grpo_advantages
 from dsparse_jax.sampling.sampler import Rollout, Sampler, SamplingConfig
-from dsparse_jax.train import distill, rl_loop, steps
+from dsparse_jax.train import distill, phases, steps
 from tests.test_lora import VOCAB, model_cfg, random_params
 
 # 2 layers: 0 local, 1 global and sparse. Page size 4, budget 3 pages (12 of up to 32
@@ -179,7 +179,7 @@ def test_theta_batch_tis_mis_hand_values():
     c = ml_collections.ConfigDict(
         dict(is_correction="none", tis_cap=2.0, mis_lo=0.5, mis_hi=2.0, mis_level="token")
     )
-    batch, m = rl_loop.theta_batch("sparse", kept, adv, old, None, c)
+    batch, m = phases.theta_batch("sparse", kept, adv, old, None, c)
     assert "is_weights" not in batch and "pages" not in batch
     np.testing.assert_array_equal(batch["mask"], mask)
     np.testing.assert_array_equal(batch["old_logp"], old)  # dense logp is pi_old
@@ -187,42 +187,42 @@ def test_theta_batch_tis_mis_hand_values():
     assert m["mis_masked_frac"] == pytest.approx(4 / 9)  # 0.25, 3.0, 0.4, 9.0
 
     c.is_correction = "tis"
-    batch, _ = rl_loop.theta_batch("sparse", kept, adv, old, None, c)
+    batch, _ = phases.theta_batch("sparse", kept, adv, old, None, c)
     want = np.array([[1.0, 2.0, 0.25, 2.0, 0.0], [0.4, 0.6, 1.0, 1.0, 2.0]])
     np.testing.assert_allclose(batch["is_weights"], want, rtol=1e-6)
     np.testing.assert_array_equal(batch["mask"], mask)
 
     c.is_correction = "mis"
-    batch, _ = rl_loop.theta_batch("sparse", kept, adv, old, None, c)
+    batch, _ = phases.theta_batch("sparse", kept, adv, old, None, c)
     want = np.array([[1, 1, 0, 0, 0], [0, 1, 1, 1, 0]], np.float32)
     np.testing.assert_array_equal(batch["mask"], want)
     # Sequence level, geometric mean ratios: row 0 (1*2*.25*3)^(1/4) = 1.107 (in),
     # row 1 (.4*.6*1*1*9)^(1/5) = 1.167 (out of [0.5, 1.15]).
     c.mis_level, c.mis_hi = "sequence", 1.15
-    batch, _ = rl_loop.theta_batch("sparse", kept, adv, old, None, c)
+    batch, _ = phases.theta_batch("sparse", kept, adv, old, None, c)
     np.testing.assert_array_equal(batch["mask"], np.array([[1, 1, 1, 1, 0], [0] * 5], np.float32))
 
     # sparse_train: the sparse twin is pi_old and the pages ride along.
     ids = {1: jnp.zeros((2, 5, 1, 3), jnp.int32)}
     kept = _rollout(np.ones(rho.shape), mask, mu, page_ids=ids)
     twin = old + 0.5
-    batch, _ = rl_loop.theta_batch("sparse_train", kept, adv, old, twin, c)
+    batch, _ = phases.theta_batch("sparse_train", kept, adv, old, twin, c)
     np.testing.assert_array_equal(batch["old_logp"], twin)
     assert list(batch["pages"]) == [1]
-    batch, _ = rl_loop.theta_batch("distillsparse", kept, adv, old, twin, c)
+    batch, _ = phases.theta_batch("distillsparse", kept, adv, old, twin, c)
     np.testing.assert_array_equal(batch["old_logp"], old)
     assert "pages" not in batch
 
 
 def test_filter_keeps_top_n_and_advantages_use_only_kept():
     rewards = np.array([0.0, 1.0, 0.5, 0.2, 1.0, 0.0, 0.0, 0.7, 0.3, 0.3, 0.9, 0.1])  # P=3, M=4
-    rows, _ = rl_loop.select_rows(rewards, 2, 4, jax.random.key(0))
+    rows, _ = phases.select_rows(rewards, 2, 4, jax.random.key(0))
     assert rows.tolist() == [1, 2, 4, 7, 10, 8] or rows.tolist() == [1, 2, 4, 7, 10, 9]
-    rows_b, _ = rl_loop.select_rows(rewards, 2, 4, jax.random.key(0))
+    rows_b, _ = phases.select_rows(rewards, 2, 4, jax.random.key(0))
     np.testing.assert_array_equal(rows, rows_b)  # deterministic given the key
-    ties = {tuple(rl_loop.select_rows(rewards, 2, 4, jax.random.key(k))[0][4:]) for k in range(12)}
+    ties = {tuple(phases.select_rows(rewards, 2, 4, jax.random.key(k))[0][4:]) for k in range(12)}
     assert ties == {(10, 8), (10, 9)}  # the 0.3 tie broken both ways
-    np.testing.assert_array_equal(rl_loop.select_rows(rewards, 4, 4, None)[0], np.arange(12))
+    np.testing.assert_array_equal(phases.select_rows(rewards, 4, 4, None)[0], np.arange(12))
 
     adv = np.asarray(grpo_advantages(jnp.asarray(rewards[rows]), 2))
     # Group (1.0, 0.5): +-1/sqrt(2) (unbiased std); dropped rows never enter a group.
@@ -233,7 +233,7 @@ def test_filter_keeps_top_n_and_advantages_use_only_kept():
     b, s = 12, 4
     ids = {1: jnp.asarray(np.arange(b)[:, None, None, None] * np.ones((1, s, 1, 2)), jnp.int32)}
     r = _rollout(np.arange(b * s).reshape(b, s), np.ones((b, s)), np.zeros((b, s)), page_ids=ids)
-    kept = rl_loop._gather_rows(r, rows)
+    kept = phases.gather_rows(r, rows)
     np.testing.assert_array_equal(np.asarray(kept.page_ids[1])[:, 0, 0, 0], rows)
     np.testing.assert_array_equal(np.asarray(kept.tokens)[:, 0], rows * s)
 
@@ -286,7 +286,7 @@ def test_mismatch_metrics_against_numpy():
 def test_plots_from_metrics_jsonl(tmp_path):
     import json as _json
 
-    from dsparse_jax.rl import plots
+    from dsparse_jax.report import plots
 
     runs = []
     for label, kl in (("dense", 0.0), ("distillsparse", 0.05)):

@@ -23,7 +23,7 @@ import pytest
 
 from dsparse_jax.attention import api, dense, selection, sparse
 from dsparse_jax.attention.selection import NO_PAGE
-from dsparse_jax.attention.spec import IMPLS, AttentionSpec, LayerInfo, SparseSpec
+from dsparse_jax.attention.spec import IMPLS, AttentionSpec, LayerInfo, SparseSpec, interpret_mode
 from pallas_kernels import common, sparse_decode, sparse_train, triton_decode
 
 F32_TOL = 2e-5  # kernel vs reference, f32: online vs two-pass softmax rounding
@@ -481,7 +481,7 @@ def test_dispatch_resolution_and_errors():
     )
     for impl in ("xla", "pallas_tpu", "triton_gpu"):
         assert api.resolve_impl(impl, "cpu") == impl
-    assert api.interpret_mode() == (jax.default_backend() != "tpu")
+    assert interpret_mode() == (jax.default_backend() != "tpu")
     if triton_decode.triton_available():
         return
     q, k, v, pos_B, ids = decode_case(0, 1, 1, 2, 8, 4, 4, 3, (9,))
@@ -496,10 +496,9 @@ def test_dispatch_resolution_and_errors():
 
 
 def test_validate_accepts_exactly_the_impls():
-    from dsparse_jax.train import validate
+    from dsparse_jax.config import schema, validate
 
-    c = validate.default_config()
-    assert c is not None
+    c = schema.defaults()
     for impl in IMPLS:
         c.attention.impl = impl
         validate.validate(c)

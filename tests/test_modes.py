@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsparse_jax.train import context, rl_loop
-from dsparse_jax.train.validate import ConfigError, load_config, validate
+from dsparse_jax.train import context, phases, rl_loop
+from dsparse_jax.config.validate import ConfigError, load_config, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -81,7 +81,7 @@ CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("name,overrides", CASES, ids=[c[0] for c in CASES])
 def test_mode_runs_two_steps(ctx, name, overrides, monkeypatch):
-    monkeypatch.setattr(rl_loop, "score", fake_score)
+    monkeypatch.setattr(phases, "grade", fake_score)
     run = _with(ctx, **overrides)
     setup = rl_loop.make_setup(run)
     st = rl_loop.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
@@ -96,7 +96,10 @@ def test_mode_runs_two_steps(ctx, name, overrides, monkeypatch):
             "loss",
             "grad_norm",
             "time_rollout",
-            "time_update",
+            "time_score",
+            "time_select",
+            "time_recompute",
+            "time_update_theta",
             "kl_k3",
             "log_ratio_mean_abs",
             "tis_clip_frac",
@@ -127,17 +130,17 @@ def test_mode_runs_two_steps(ctx, name, overrides, monkeypatch):
     if name == "sparse_train":  # top-n of M by acceptance rate
         assert m["acceptance_frac_kept"] >= m["acceptance_frac_generated"]
     if name == "distillsparse":
-        for key in ("phi_loss", "phi_grad_norm", "phi_distill_kl", "time_phi_update"):
+        for key in ("phi_loss", "phi_grad_norm", "phi_distill_kl", "time_update_phi"):
             assert math.isfinite(m[key]), key
         assert m["phi_skipped_updates"] == 0
         assert any((a != b).any() for a, b in zip(lora0, _leaves(st.lora)))  # phi trained
     else:
-        assert st.lora is None and "phi_loss" not in m
+        assert st.lora is None and "phi_loss" not in m and "time_update_phi" not in m
 
 
 @pytest.mark.slow
 def test_distillsparse_checkpoint_round_trips_phi(ctx, tmp_path):
-    from dsparse_jax.train import checkpoints
+    from dsparse_jax.reliability import checkpoints
 
     run = _with(ctx, rl__rollout_mode="distillsparse")
     setup = rl_loop.make_setup(run)

@@ -1,7 +1,7 @@
 """Multi-process SPMD on one machine: 2 processes x 4 CPU devices, jax.distributed over
 localhost (gloo CPU collectives), one full distillsparse RL step on the global 8-device
 mesh (2, 2, 2). Each process makes its own 4 of the 8 prompts (the placement rule of
-train/sharding.py), grades its own rows and all-gathers the rewards; both processes must
+parallel/sharding.py), grades its own rows and all-gathers the rewards; both processes must
 report the same metrics as the single-device step of test_sharding.py's config, and the
 same (global) updated parameters."""
 
@@ -32,7 +32,8 @@ def worker(pid: int, port: int, out: str, mesh: tuple) -> None:
     import jax.numpy as jnp
     import ml_collections
 
-    from dsparse_jax.train import distributed, rl_loop
+    from dsparse_jax.train import phases
+    from dsparse_jax.parallel import distributed
     import test_sharding as ts
 
     dist = ml_collections.ConfigDict(
@@ -47,7 +48,7 @@ def worker(pid: int, port: int, out: str, mesh: tuple) -> None:
     )
     assert distributed.initialize(dist)
     assert jax.process_count() == 2 and jax.device_count() == 8
-    rl_loop.score = ts.fake_score
+    phases.grade = ts.fake_score
     ctx = ts._ctx(_ctx(ts), mesh)
     setup, st, m = ts._one_step(ctx)
     assert setup.plan.multiprocess
@@ -137,11 +138,11 @@ def _reference():
     import jax
     import jax.numpy as jnp
 
-    from dsparse_jax.train import rl_loop
+    from dsparse_jax.train import phases
     import test_sharding as ts
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(rl_loop, "score", ts.fake_score)
+    mp.setattr(phases, "grade", ts.fake_score)
     try:
         setup, st, m = ts._one_step(_ctx(ts))
     finally:

@@ -3,7 +3,7 @@ non-finite guards, unusable workdirs, rewards on arbitrary text.
 
 The slow tests run the main job (launch/train.py) in subprocesses with the tiniest config
 that exercises distillsparse with oversampling (M = 3 > n = 2), a jax compilation cache
-shared by the module's runs, and DSPARSE_FAULTS (dsparse_jax/train/faults.py) to kill a
+shared by the module's runs, and DSPARSE_FAULTS (dsparse_jax/reliability/faults.py) to kill a
 run at a chosen point or inject a NaN.
 """
 
@@ -27,8 +27,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dsparse_jax.data import rewards
-from dsparse_jax.train import checkpoints, faults, run, steps
-from dsparse_jax.train.metrics import MetricsWriter, read_metrics
+from dsparse_jax.train import run, steps
+from dsparse_jax.reliability import checkpoints, faults
+from dsparse_jax.report.metrics import MetricsWriter, read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 6  # RL steps

@@ -13,9 +13,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from dsparse_jax.sampling.sampler import Sampler
-from dsparse_jax.train import checkpoints, context, rl_loop, sharding
+from dsparse_jax.train import context, phases, rl_loop
+from dsparse_jax.parallel import sharding
+from dsparse_jax.reliability import checkpoints
 from dsparse_jax.train.evaluation import Evaluator
-from dsparse_jax.train.validate import validate
+from dsparse_jax.config.validate import validate
 from model_utils import random_params
 from test_modes import base_config, fake_score
 
@@ -74,7 +76,7 @@ def _one_step(ctx):
 @pytest.fixture(scope="module")
 def reference(base_ctx):
     mp = pytest.MonkeyPatch()
-    mp.setattr(rl_loop, "score", fake_score)
+    mp.setattr(phases, "grade", fake_score)
     setup, st, m = _one_step(base_ctx)
     mp.undo()
     assert setup.plan is None  # mesh 1 x 1 x 1: the unsharded path
@@ -84,7 +86,7 @@ def reference(base_ctx):
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
 def test_rl_step_on_mesh_matches_single_device(base_ctx, reference, shape, monkeypatch):
-    monkeypatch.setattr(rl_loop, "score", fake_score)
+    monkeypatch.setattr(phases, "grade", fake_score)
     ref_st, ref_m = reference
     setup, st, m = _one_step(_ctx(base_ctx, shape))
     mesh = setup.plan.mesh
@@ -192,7 +194,7 @@ def test_sharded_checkpoint_restores_onto_another_mesh(base_ctx, tmp_path):
 
 
 def test_distributed_settings(monkeypatch):
-    from dsparse_jax.train import distributed
+    from dsparse_jax.parallel import distributed
 
     for var in ("JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES"):
         monkeypatch.delenv(var, raising=False)

@@ -10,7 +10,7 @@ import pytest
 
 from dsparse_jax.data import gemma_tokenizer as gt
 from dsparse_jax.data import math_task, rewards, sources
-from dsparse_jax.train.validate import load_config
+from dsparse_jax.config.validate import load_config
 
 CORPUS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as "
@@ -187,7 +187,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_real_configs_validate():
-    from dsparse_jax.train.validate import validate
+    from dsparse_jax.config.validate import validate
 
     for name, budget, gen in (("gemma3_1b_gsm8k.py", 32, 1024), ("gemma2_2b_math.py", 32, 2048)):
         c = load_config(os.path.join(ROOT, "configs", name))

@@ -1,4 +1,4 @@
-"""Config validation (dsparse_jax/train/validate.py): each bad value is rejected before
+"""Config validation (dsparse_jax/config/validate.py): each bad value is rejected before
 anything compiles, with one line that names the field."""
 
 import math
@@ -8,7 +8,7 @@ import pytest
 
 from dsparse_jax.data import batches
 from dsparse_jax.train import run
-from dsparse_jax.train.validate import ConfigError, load_config, validate
+from dsparse_jax.config.validate import ConfigError, load_config, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -94,7 +94,10 @@ def test_unknown_keys_are_rejected(field):
     section[name] = 1
     with pytest.raises(ConfigError) as e:
         validate(c)
-    assert str(e.value) == f"config.{field}: unknown key (not declared in configs/gemma_math.py)"
+    assert (
+        str(e.value)
+        == f"config.{field}: unknown key (not declared in dsparse_jax/config/schema.py)"
+    )
 
 
 def test_dataset_lengths_fit_the_cache():

@@ -25,7 +25,7 @@ import functools
 import jax
 
 from dsparse_jax.attention import dense, selection, sparse
-from dsparse_jax.attention.spec import AttentionSpec, LayerInfo
+from dsparse_jax.attention.spec import AttentionSpec, LayerInfo, interpret_mode
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,11 +45,6 @@ def resolve_impl(impl: str, platform: str | None = None) -> str:
     if platform == "gpu" and _gpu_kernels_available():
         return "triton_gpu"
     return "xla"
-
-
-def interpret_mode() -> bool:
-    """Pallas TPU kernels compile with Mosaic on TPU and run interpreted elsewhere."""
-    return jax.default_backend() != "tpu"
 
 
 def attend_sequence(

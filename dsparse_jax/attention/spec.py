@@ -9,8 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 IMPLS = ("auto", "xla", "pallas_tpu", "triton_gpu")
 POLICIES = ("distillsparse", "quest", "streaming")
+
+
+def interpret_mode() -> bool:
+    """Pallas TPU kernels compile with Mosaic on TPU and run interpreted elsewhere (read by
+    the dispatcher in api.py and by the kernels in pallas_kernels/)."""
+    return jax.default_backend() != "tpu"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ from flax import nnx
 
 from dsparse_jax.attention import cache as kv_cache
 from dsparse_jax.attention.spec import AttentionSpec
-from dsparse_jax.train import sharding
+from dsparse_jax.parallel import sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +190,7 @@ class Sampler:
         s = sizes[-1]  # the token and record buffers are full size from the start
         run = dict(spec=spec, lora=lora, lora_scale=lora_scale)
 
-        # On a mesh: caches batch over data x fsdp, KV heads over tensor (train/sharding.py).
+        # On a mesh: caches batch over data x fsdp, KV heads over tensor (parallel/sharding.py).
         caches = sharding.constrain_cache(model.init_cache(b0, sizes[0], spec))
         logits, caches = model.prefill(prompts_BxL, prompt_len_B, caches, **run)
         if n > 1:  # one prefill serves the n samples of each prompt

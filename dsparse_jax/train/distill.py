@@ -33,12 +33,9 @@ import numpy as np
 
 from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.rl import losses, mismatch
-from dsparse_jax.train import sharding
+from dsparse_jax.rl.modes import DISTILL_LOSSES, KL_KINDS
+from dsparse_jax.parallel import sharding
 from dsparse_jax.train.steps import accumulated_update, map_row_chunks, token_logprobs
-
-KL_KINDS = ("k1", "k2", "k3", "exact_reverse", "exact_forward")
-DISTILL_LOSSES = ("ppo+kl", "kl_only")
-TEACHERS = ("cached", "recomputed")
 
 
 # ------------------------------------------------------------------------ mismatch metrics

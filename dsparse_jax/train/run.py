@@ -9,9 +9,10 @@ import time
 import jax
 
 from dsparse_jax.data import sources
-from dsparse_jax.train import context, distributed, rl_loop, sft, sharding
-from dsparse_jax.train.metrics import MetricsWriter, read_metrics
-from dsparse_jax.train.validate import validate
+from dsparse_jax.train import context, rl_loop, sft
+from dsparse_jax.parallel import distributed, sharding
+from dsparse_jax.report.metrics import MetricsWriter, read_metrics
+from dsparse_jax.config.validate import validate
 
 
 def prepare_workdir(workdir: str) -> None:
@@ -30,7 +31,8 @@ def prepare_workdir(workdir: str) -> None:
             raise SystemExit(f"{path!r} in the workdir is not readable and writable")
 
 
-def main(config, workdir: str) -> dict:
+def main(config, workdir: str, sft_only: bool = False) -> dict:
+    """The whole run; with sft_only, the SFT warm start alone (no RL)."""
     validate(config)  # before anything compiles
     distributed.initialize(config)  # multi-host: before any device is touched
     try:  # the mesh and the RL batch sizes it must split, before the SFT warm start
@@ -56,7 +58,8 @@ def main(config, workdir: str) -> dict:
     writer = MetricsWriter(log_dir, tensorboard=config.log.tensorboard)
     try:
         sft_params, sft_acc = sft.warm_start(ctx, workdir, writer)
-        rl_loop.train_rl(ctx, workdir, sft_params, writer)
+        if not sft_only:
+            rl_loop.train_rl(ctx, workdir, sft_params, writer)
     finally:
         writer.close()
     evals = [r for r in read_metrics(log_dir) if r["phase"] == "eval"]

@@ -12,9 +12,10 @@ from jax.experimental import multihost_utils
 
 from dsparse_jax.data import batches
 from dsparse_jax.data.sources import problems
-from dsparse_jax.train import checkpoints, faults, steps
+from dsparse_jax.train import steps
+from dsparse_jax.reliability import checkpoints, faults
 from dsparse_jax.train.context import RunContext
-from dsparse_jax.train.metrics import MetricsWriter, Progress
+from dsparse_jax.report.metrics import MetricsWriter, Progress
 
 
 def _optimizer(c):

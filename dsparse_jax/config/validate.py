@@ -1,6 +1,6 @@
 """Config validation that runs before anything compiles: one line naming the bad field.
 
-Unknown and missing keys are checked against the default config (configs/gemma_math.py,
+Unknown and missing keys are checked against the schema (config/schema.py,
 which declares every field); then values, derived shapes (task, model, KV cache) and the
 rollout-mode sections. docs/reliability.md lists the checks.
 """
@@ -8,16 +8,17 @@ rollout-mode sections. docs/reliability.md lists the checks.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 import math
 import os
 import re
 
 from dsparse_jax.attention.spec import IMPLS, POLICIES
+from dsparse_jax.config import schema
 from dsparse_jax.model.config import PRESETS
 from dsparse_jax.model.transformer import LINEAR_NAMES
 from dsparse_jax.rl.losses import AGG_MODES
+from dsparse_jax.rl.modes import DISTILL_LOSSES, KL_KINDS, MODES, TEACHERS
 
 
 class ConfigError(ValueError):
@@ -59,15 +60,8 @@ def _nonneg(c, field, integer: bool = False):
     )
 
 
-DEFAULT_CONFIG = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-    "configs",
-    "gemma_math.py",
-)
-
-
-def load_config(path: str = DEFAULT_CONFIG):
-    """get_config() of a config file: a fresh ConfigDict on every call."""
+def load_config(path: str):
+    """get_config() of a config file (configs/*.py): a fresh ConfigDict on every call."""
     name = "_config_" + os.path.splitext(os.path.basename(path))[0]
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
@@ -75,32 +69,24 @@ def load_config(path: str = DEFAULT_CONFIG):
     return mod.get_config()
 
 
-@functools.lru_cache(maxsize=1)
-def default_config():
-    """configs/gemma_math.py's config (every field declared), or None if not found."""
-    return load_config() if os.path.exists(DEFAULT_CONFIG) else None
-
-
 def check_keys(c, reference, prefix: str = "") -> None:
     """Every key of `c` exists in `reference` (a typo is not silently ignored) and every
     key of `reference` exists in `c` (the code reads them all)."""
     for k in c.keys():
         field = prefix + k
-        _check(k in reference, field, "unknown key (not declared in configs/gemma_math.py)")
+        _check(k in reference, field, "unknown key (not declared in dsparse_jax/config/schema.py)")
         sub, ref = c[k], reference[k]
         if hasattr(ref, "keys"):
             _check(hasattr(sub, "keys"), field, "must be a section (ConfigDict)")
             check_keys(sub, ref, field + ".")
     for k in reference.keys():
-        _check(k in c, prefix + k, "missing (declared in configs/gemma_math.py)")
+        _check(k in c, prefix + k, "missing (declared in dsparse_jax/config/schema.py)")
 
 
-def validate(c, reference=None) -> None:
-    """Raises ConfigError on the first invalid value. `reference`: the config declaring
-    every field (default: configs/gemma_math.py when present)."""
-    reference = default_config() if reference is None else reference
-    if reference is not None:
-        check_keys(c, reference)
+def validate(c) -> None:
+    """Raises ConfigError on the first invalid value; keys are checked against the schema
+    (dsparse_jax/config/schema.py)."""
+    check_keys(c, schema.defaults())
     _check(isinstance(c.seed, int) and c.seed >= 0, "seed", "must be an integer >= 0")
     _check(
         c.model.preset in PRESETS,
@@ -269,16 +255,12 @@ def _validate_mesh(c) -> None:
         )
 
 
-ROLLOUT_MODES = ("dense", "sparse", "sparse_train", "distillsparse")
-
-
 def _validate_modes(c) -> None:
     """rl.rollout_mode and its sections: oversampling, IS corrections, sparse, lora, distill."""
     from dsparse_jax.model.lora import parse_targets
-    from dsparse_jax.train.distill import DISTILL_LOSSES, KL_KINDS, TEACHERS
 
     r = c.rl
-    _check(r.rollout_mode in ROLLOUT_MODES, "rl.rollout_mode", f"must be one of {ROLLOUT_MODES}")
+    _check(r.rollout_mode in MODES, "rl.rollout_mode", f"must be one of {tuple(MODES)}")
     _check(
         isinstance(r.samples_generated, int)
         and (r.samples_generated == 0 or r.samples_generated >= r.samples_per_prompt),

@@ -25,7 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from dsparse_jax.train import sharding
+from dsparse_jax.parallel import sharding
 
 INTEGRITY = "integrity"
 

@@ -2,7 +2,7 @@
 acceptance per completion-position bin. One or several runs (e.g. one per rollout mode)
 per figure.
 
-  python -m dsparse_jax.rl.plots runs/dense runs/distillsparse --out figures/
+  python -m dsparse_jax.report.plots runs/dense runs/distillsparse --out figures/
 
 Figures (PNG): reward.png (reward, kept reward, response length, held-out accuracy of
 the dense and the sparse policy vs step), mismatch.png (exact and k3 KL(sparse || dense),
@@ -24,7 +24,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from dsparse_jax.train.metrics import read_metrics  # noqa: E402
+from dsparse_jax.report.metrics import read_metrics  # noqa: E402
 
 _BIN = re.compile(r"^(.*)_bin(\d+)$")
 

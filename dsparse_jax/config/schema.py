@@ -1,0 +1,173 @@
+"""The config schema: every field a run reads, with its default.
+
+`defaults()` declares every section and key; configs/*.py start from it and override
+values, and validation (config/validate.py) rejects any key that is not declared here, so
+an installed copy of the library checks a config exactly as a checkout does. The
+defaults are the default main job (configs/gemma_math.py): a tiny Gemma-shaped model on
+the embedded chain-sum task, DistillSparse RL, CPU, no downloads.
+"""
+
+import ml_collections
+
+
+def defaults() -> ml_collections.ConfigDict:
+    """A fresh ConfigDict with every field and its default (the default main job)."""
+    c = ml_collections.ConfigDict()
+    c.name = "gemma_math"
+    c.seed = 0
+
+    c.model = ml_collections.ConfigDict()
+    c.model.preset = "tiny"  # tiny | gemma2_2b | gemma3_1b | gemma3_4b
+    c.model.d_model = 128
+    c.model.num_layers = 4
+    c.model.mlp_dim = 512
+    c.model.param_dtype = "float32"
+    c.model.dtype = "float32"
+    # A Hugging Face Gemma 2/3 directory (config.json + *.safetensors): shapes and initial
+    # weights come from it (preset and shape fields ignored). "" -> random init from preset.
+    c.model.checkpoint_dir = ""
+
+    # Task data (docs/real_models.md): synthetic:chain (the embedded task, configured in
+    # c.task) | jsonl:<path> | parquet:<path> | tfds:<name> (with data_dir).
+    c.data = ml_collections.ConfigDict()
+    c.data.source = "synthetic:chain"
+    c.data.eval_source = ""  # real data; "" -> hold out eval.num_problems from source
+    c.data.question_field = ""  # "" -> question | problem | prompt | query
+    c.data.answer_field = ""  # "" -> answer | final_answer | ground_truth | solution
+    c.data.solution_field = ""
+    c.data.instruction = (
+        "Solve the following math problem step by step. Put your final answer within \\boxed{}."
+    )
+    c.data.max_prompt_tokens = 512  # static prompt width (BOS included), real data
+    c.data.max_new_tokens = 1024  # generation length, real data
+    c.data.overlong = "drop"  # prompts over max_prompt_tokens: drop | truncate
+    c.data.max_bad_fraction = 0.01  # more unusable records than this: error
+    c.data.data_dir = ""  # tfds: local data_dir (nothing is downloaded)
+    c.data.split = "train"  # tfds splits
+    c.data.eval_split = "test"
+
+    # Real data: Gemma's tokenizer.model ("" -> <model.checkpoint_dir>/tokenizer.model).
+    # The synthetic task always uses its own char tokenizer.
+    c.tokenizer = ml_collections.ConfigDict()
+    c.tokenizer.path = ""
+    c.tokenizer.chat = True  # Gemma chat turns; generation stops at <end_of_turn>
+
+    c.task = ml_collections.ConfigDict()
+    c.task.num_vars = 8  # lookups are learned in ~300 SFT steps at 8 (16: not by 400)
+    c.task.num_terms = 8  # solution length knob: 8 tokens per term (single-letter names)
+    c.task.name_digits = 0  # variable names: a letter + this many digits (0: a-z only)
+    c.task.format_reward = 0.0  # reward for a well-formed but wrong answer
+
+    c.attention = ml_collections.ConfigDict()
+    c.attention.impl = "xla"  # auto | xla | pallas_tpu | triton_gpu
+    c.attention.page_size = 16
+
+    c.sft = ml_collections.ConfigDict()
+    c.sft.enabled = True  # warm start on the synthetic task; False for real data + checkpoint
+    c.sft.max_steps = 1500
+    c.sft.batch_size = 32
+    c.sft.learning_rate = 3e-3
+    c.sft.warmup_steps = 50
+    c.sft.weight_decay = 0.0
+    c.sft.max_grad_norm = 1.0
+    c.sft.eval_every = 10  # the lookups are learned abruptly (0.08 -> 0.73 in 20 steps)
+    c.sft.target_accuracy = 0.4  # stop once held-out greedy accuracy >= this
+    c.sft.max_accuracy = 0.7  # a checkpoint above this leaves too little room for RL: warn
+    c.sft.max_consecutive_skips = 5  # halt after this many non-finite steps in a row (0: off)
+
+    c.rl = ml_collections.ConfigDict()
+    c.rl.num_steps = 100
+    c.rl.prompts_per_step = 8
+    c.rl.samples_per_prompt = 8  # n (group size for advantages)
+    c.rl.temperature = 1.0
+    # Rollout cache: 0 = one buffer of prompt + completion budget; N > 0 = start at prompt
+    # + N tokens and double (a decode step then costs O(position); one compile per buffer,
+    # peak 1.5x the cache at the last growth; sampling/sampler.py buffer_schedule).
+    c.rl.grow_buffer_from = 0
+    c.rl.learning_rate = 1e-4  # 3e-4 collapsed distillsparse after ~10 steps (README Status)
+    c.rl.warmup_steps = 5
+    c.rl.schedule = "constant"
+    c.rl.weight_decay = 0.0
+    c.rl.max_grad_norm = 1.0
+    c.rl.minibatches = 2  # optimizer steps per rollout batch
+    c.rl.microbatches = 1  # gradient accumulation inside a minibatch (exact)
+    c.rl.clip_low = 0.2
+    c.rl.clip_high = 0.28
+    c.rl.dual_clip = 0.0  # 0: off; else c > 1 (dual-clip PPO)
+    c.rl.loss_agg = "token-mean"  # token-mean | seq-mean-token-mean
+    c.rl.scale_adv_by_std = True  # False: Dr. GRPO
+    c.rl.kl_coef = 0.0  # KL to the frozen SFT reference (k3); 0: off
+    c.rl.kl_kind = "k3"
+    # Rollout mode (METHOD.md): dense | sparse (sparse rollout, dense training) |
+    # sparse_train (the trainer is sparse too, on the rollout's recorded pages) |
+    # distillsparse (sparse + LoRA actor, dense theta update, then LoRA distillation).
+    c.rl.rollout_mode = "distillsparse"
+    c.rl.samples_generated = 0  # M >= samples_per_prompt rollouts per prompt; 0: M = n
+    c.rl.selection = "reward"  # top-n of the M by reward | acceptance (rate vs dense)
+    c.rl.acceptance_C = 1.0  # Bernoulli test probability min(1, p_dense / (C p_sparse))
+    c.rl.is_correction = "none"  # none | tis | mis (vs the rollout log-probs), any mode
+    c.rl.tis_cap = 2.0  # TIS weight min(pi_old / mu, C)
+    c.rl.mis_lo = 0.5  # MIS keeps tokens with ratio in [lo, hi]
+    c.rl.mis_hi = 2.0
+    c.rl.mis_level = "token"  # token | sequence (geometric mean ratio)
+    # Halt after this many consecutive steps whose update was skipped for a non-finite
+    # loss or gradient (0: never halt). docs/reliability.md.
+    c.rl.max_consecutive_skips = 5
+
+    # Block-sparse decode of the rollout policy (not dense mode). Page size: attention.
+    c.sparse = ml_collections.ConfigDict()
+    c.sparse.policy = "distillsparse"  # distillsparse (centroids) | quest | streaming
+    c.sparse.budget = 6  # KV pages read per step (sink and recent included)
+    c.sparse.dense_layers = 2  # the first layers stay dense (global layers past are sparse)
+    c.sparse.sink_pages = 1
+    c.sparse.recent_pages = 2
+
+    # LoRA delta tree phi of the sparse actor (distillsparse only).
+    c.lora = ml_collections.ConfigDict()
+    c.lora.rank = 8
+    c.lora.alpha = 16.0
+    c.lora.targets = "all"  # comma list of q,k,v,o,gate,up,down (or all | attn | mlp)
+    c.lora.learning_rate = 1e-3
+    c.lora.warmup_steps = 0
+    c.lora.weight_decay = 0.0
+    c.lora.max_grad_norm = 1.0
+    c.lora.schedule = "constant"
+
+    # The phi update: L = L_PPO(sparse logp; old = rollout logp) + kl_coef * KL(sparse||dense).
+    c.distill = ml_collections.ConfigDict()
+    c.distill.teacher = "cached"  # cached (dense logp before theta's update) | recomputed
+    c.distill.loss = "ppo+kl"  # ppo+kl | kl_only
+    c.distill.kl = "k3"  # k1 | k2 | k3 | exact_reverse | exact_forward
+    c.distill.kl_coef = 1.0  # lambda (reference: 1e-3, which collapsed theta here; README)
+
+    c.metrics = ml_collections.ConfigDict()
+    c.metrics.position_bin = 256  # completion-position bin width of mismatch metrics
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.every = 10  # RL steps between held-out evaluations
+    c.eval.num_problems = 128
+    c.eval.mean_at_k = 4  # samples per problem for mean@k (temperature rl.temperature)
+    c.eval.sparse = True  # sparse modes: also greedy accuracy of the rollout policy
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every = 10
+    c.checkpoint.keep = 3
+
+    # Device mesh (docs/scaling.md): data x fsdp x tensor devices, data = -1 takes all the
+    # devices left; 1 x 1 x 1 is one device, unsharded (the CPU default).
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = 1
+    c.mesh.fsdp = 1
+    c.mesh.tensor = 1
+    # Multi-host (jax.distributed.initialize): auto (when a coordinator is given, or on a
+    # multi-host TPU slice, which discovers its peers) | on | off. GPU nodes: coordinator
+    # host:port, process count and id here or in JAX_COORDINATOR_ADDRESS,
+    # JAX_NUM_PROCESSES, JAX_PROCESS_ID.
+    c.mesh.distributed = "auto"
+    c.mesh.coordinator_address = ""
+    c.mesh.num_processes = 0
+    c.mesh.process_id = -1
+
+    c.log = ml_collections.ConfigDict()
+    c.log.tensorboard = True
+    return c

@@ -1,0 +1,399 @@
+"""The phases of one RL step, in order (METHOD.md, "Each RL iteration"):
+
+  rollout       the actor samples M completions per prompt
+  score         the task reward of every completion (host)
+  select        the oversampling filter keeps n of M per prompt; GRPO advantages over them
+  recompute     teacher-forced log-probs: dense theta, the actor's twin, mismatch metrics;
+                theta's batch (old log-probs, off-policy corrections) and phi's teacher
+  update_theta  PPO/GRPO minibatch updates of theta (phi is not an input)
+  update_phi    theta frozen: L_PPO + lambda KL updates of phi on the same rollouts
+
+Every phase is a function (ctx, setup, ...) -> (output, metrics); `PhaseLog.run` times
+each one the same way (time_<phase>, after its outputs are ready) and collects its
+metrics. Which attention, adapter and trainer a phase uses comes from the rollout mode's
+properties in setup.mode (rl/modes.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsparse_jax.data import batches
+from dsparse_jax.data.math_task import Problem
+from dsparse_jax.data.sources import problems
+from dsparse_jax.parallel import sharding
+from dsparse_jax.reliability import faults
+from dsparse_jax.rl import corrections, filtering, modes
+from dsparse_jax.rl.advantages import grpo_advantages
+from dsparse_jax.rl.losses import combine_metrics
+from dsparse_jax.sampling.sampler import Rollout, SamplingConfig
+from dsparse_jax.train import distill
+from dsparse_jax.train.context import RunContext
+from dsparse_jax.train.evaluation import score as grade
+from dsparse_jax.train.grpo import grpo_update, recompute_logprobs
+from dsparse_jax.train.rl_state import RL_DATA_OFFSET, RLSetup, TrainState
+
+
+class PhaseLog:
+    """Times every phase the same way and collects its metrics."""
+
+    def __init__(self):
+        self.metrics: dict = {}
+        self.times: dict = {}
+
+    def run(self, name: str, phase, *args):
+        t = time.time()
+        out, metrics = phase(*args)
+        jax.block_until_ready(out)
+        self.times[f"time_{name}"] = time.time() - t
+        self.metrics.update(metrics)
+        return out
+
+    def summary(self) -> dict:
+        return {**self.metrics, **self.times, "time_step": sum(self.times.values())}
+
+
+class Generated(NamedTuple):
+    """The rollout phase's output: M samples of each of this process's prompts."""
+
+    problems: list[Problem]
+    rollout: Rollout
+
+
+class Selected(NamedTuple):
+    """The select phase's output: the kept n per prompt, their rewards and advantages."""
+
+    kept: Rollout
+    rewards: Any  # numpy [P * n]
+    adv: jax.Array  # f32 [P * n]
+    rec: dict | None  # the recompute of the kept rows, when selection already needed it
+
+
+class Recomputed(NamedTuple):
+    """The recompute phase's output: theta's batch and what phi distils towards."""
+
+    theta_batch: dict
+    teacher_logp: jax.Array | None  # dense log-probs before theta's update (distill cached)
+    teacher_params: Any  # theta before its update (exact KL with distill.teacher=cached)
+
+
+# ------------------------------------------------------------------------------ helpers
+def gather_rows(tree, rows, plan=None):
+    if plan is not None:  # one jitted gather on the mesh, rows batch-sharded
+        return plan.take_rows(tree, rows)
+    return jax.tree.map(lambda x: x[rows], tree)
+
+
+def _chunks(setup: RLSetup, rows: int) -> int:
+    return math.gcd(rows, setup.recompute_chunks)
+
+
+def _recompute_rollout(ctx: RunContext, setup: RLSetup, st: TrainState, r: Rollout) -> dict:
+    return distill.recompute(
+        st.params,
+        st.lora,
+        r.tokens,
+        r.prompt_lengths,
+        r.completion_mask,
+        r.pages(),
+        r.logprobs,
+        graphdef=ctx.graphdef,
+        temperature=ctx.config.rl.temperature,
+        dense_spec=ctx.spec,
+        twin_spec=setup.twin_spec,
+        lora_scale=setup.lora_scale,
+        bin_width=ctx.config.metrics.position_bin,
+        num_bins=setup.num_bins,
+        chunks=_chunks(setup, r.tokens.shape[0]),
+    )
+
+
+@jax.jit
+def _correction_terms(old_logp, rollout_logp, mask, cap, lo, hi):
+    """TIS weights and MIS masks (token and sequence level) with their metrics."""
+    w, tis_m = corrections.tis_weights(old_logp, rollout_logp, mask, cap)
+    tok_mask, mis_tok = corrections.mis_mask(old_logp, rollout_logp, mask, lo, hi, "token")
+    seq_mask, mis_seq = corrections.mis_mask(old_logp, rollout_logp, mask, lo, hi, "sequence")
+    return {"tis": w, "mis_token": tok_mask, "mis_sequence": seq_mask}, {
+        **tis_m,
+        "mis_masked_frac": mis_tok["mis_masked_frac"],
+        "mis_seq_masked_frac": mis_seq["mis_masked_frac"],
+    }
+
+
+def _minibatch_updates(update, state, opt_state, batch, key, num_minibatches, plan=None, **kw):
+    """`update` over a random split of the batch's rows into minibatches, in sequence."""
+    b = batch["tokens"].shape[0]
+    if b % num_minibatches:
+        raise ValueError(f"rollout batch {b} not divisible by rl.minibatches={num_minibatches}")
+    order = np.asarray(jax.random.permutation(key, b)).reshape(num_minibatches, -1)
+    ms = []
+    for rows in order:
+        mb = gather_rows(batch, rows, plan)
+        state, opt_state, m = update(state, opt_state, mb, **kw)
+        ms.append(m)
+    return state, opt_state, jax.device_get(ms)
+
+
+def _summarize_updates(ms: list[dict], prefix: str = "") -> dict:
+    special = ("grad_norm", "skipped", "pg_num", "pg_den", "loss_num", "loss_den", "ppo_num")
+    out = {
+        prefix + k: float(v)
+        for k, v in combine_metrics(
+            [{k: v for k, v in um.items() if k not in special} for um in ms]
+        ).items()
+    }
+    num, den = ("loss_num", "loss_den") if "loss_num" in ms[0] else ("pg_num", "pg_den")
+    out[prefix + "loss"] = float(np.mean([um[num] / max(um[den], 1.0) for um in ms]))
+    out[prefix + "grad_norm"] = float(np.mean([um["grad_norm"] for um in ms]))
+    out[prefix + "skipped_updates"] = float(np.sum([um["skipped"] for um in ms]))
+    return out
+
+
+def select_rows(
+    rewards_B,
+    n: int,
+    m: int,
+    key,
+    *,
+    selection: str = "reward",
+    rollout=None,
+    dense_logp=None,
+    acceptance_c: float = 1.0,
+):
+    """Rows (numpy [P * n], a prompt's kept samples contiguous) kept by the oversampling
+    filter: the n of each prompt's M samples with the highest reward (ties at random), or
+    with the highest acceptance rate vs the dense policy (needs the rollout and the dense
+    log-probs of all its rows). M == n keeps every row in order."""
+    b = np.asarray(rewards_B).shape[0]
+    if m == n:
+        return np.arange(b), {}
+    p = b // m
+    if selection == "reward":
+        idx = filtering.top_n_by_reward(jnp.asarray(rewards_B).reshape(p, m), n, key)
+        metrics = {}
+    elif selection == "acceptance":
+        idx, frac = filtering.acceptance_rate_select(
+            dense_logp, rollout.logprobs, rollout.completion_mask, acceptance_c, n, m, key
+        )
+        metrics = {
+            "acceptance_frac_generated": float(jnp.mean(frac)),
+            "acceptance_frac_kept": float(jnp.mean(filtering.gather_kept(frac, idx, m))),
+        }
+    else:
+        raise ValueError(f"unknown selection {selection!r} (reward | acceptance)")
+    return np.asarray(filtering.flat_kept_indices(idx, m)), metrics
+
+
+def theta_batch(mode: str, kept, adv_B, dense_logp, twin_logp, c):
+    """The theta update's batch and the off-policy correction metrics.
+
+    old_logp: the trainer's policy before the update: the sparse twin (whose pages ride
+    along in the batch) where the mode's trainer is sparse, else dense (theta, no
+    adapter). rl.is_correction (c: the rl config section) against the rollout's log-probs
+    mu: tis adds is_weights = min(pi_old / mu, tis_cap); mis replaces the mask with the
+    MIS mask (mis_level token | sequence). The TIS clip and MIS mask fractions are always
+    measured.
+    """
+    trainer_sparse = modes.get(mode).trainer_sparse
+    old_logp = twin_logp if trainer_sparse else dense_logp
+    mask = kept.completion_mask
+    batch = {"tokens": kept.tokens, "mask": mask, "old_logp": old_logp, "adv": adv_B}
+    pages = kept.pages()
+    if trainer_sparse and pages is not None:
+        batch["pages"] = pages
+    corr, corr_m = _correction_terms(old_logp, kept.logprobs, mask, c.tis_cap, c.mis_lo, c.mis_hi)
+    if c.is_correction == "tis":
+        batch["is_weights"] = corr["tis"]
+    elif c.is_correction == "mis":
+        batch["mask"] = corr[f"mis_{c.mis_level}"]
+    return batch, {k: float(v) for k, v in jax.device_get(corr_m).items()}
+
+
+# ------------------------------------------------------------------------------- phases
+def rollout(ctx: RunContext, setup: RLSetup, st: TrainState, key, step: int):
+    """M samples per prompt from the actor (its attention and adapter: setup.mode). With a
+    mesh each process makes its own block of prompts; the rollout is one global array."""
+    c, plan, p = ctx.config.rl, setup.plan, ctx.config.rl.prompts_per_step
+    mine = slice(0, p) if plan is None else plan.local_slice(p)  # this process's prompts
+    batch_problems = problems(
+        ctx.task,
+        "train",
+        RL_DATA_OFFSET + step * p + mine.start,
+        mine.stop - mine.start,
+        ctx.config.seed,
+    )
+    prompts, lengths = batches.encode_prompts(
+        ctx.tok, batch_problems, batches.prompt_buffer(ctx.task)
+    )
+    if plan is not None:  # one global batch-sharded array from every process's rows
+        prompts, lengths = plan.global_batch(prompts), plan.global_batch(lengths)
+    scfg = SamplingConfig(
+        max_new_tokens=batches.completion_budget(ctx.task),
+        eos_id=ctx.tok.eos_id,
+        pad_id=ctx.tok.pad_id,
+        temperature=c.temperature,
+        samples_per_prompt=setup.m,
+        grow_buffer_from=c.grow_buffer_from,
+    )
+    r = ctx.sampler(
+        st.params, prompts, lengths, key, scfg, setup.rollout_spec, st.lora, setup.lora_scale
+    )
+    return Generated(batch_problems, r), {}
+
+
+def score(ctx: RunContext, setup: RLSetup, gen: Generated):
+    """Rewards of all M samples per prompt (numpy [P * M]); with a mesh each process
+    grades its own groups and the rewards are all-gathered (P * M floats)."""
+    fmt = ctx.config.task.format_reward
+    plan = setup.plan
+    if plan is None:
+        rewards = grade(ctx.tok, gen.rollout, gen.problems, fmt)[0]
+    else:
+        rewards = plan.gather_rows(
+            grade(ctx.tok, plan.local_rollout(gen.rollout), gen.problems, fmt)[0]
+        )
+    r = np.asarray(rewards)
+    ncomp = sharding.to_host(gen.rollout.completion_lengths)
+    return r, {
+        "reward": float(r.mean()),
+        "accuracy": float((r == 1.0).mean()),
+        "response_length_mean": float(ncomp.mean()),
+        "response_length_max": int(ncomp.max()),
+    }
+
+
+def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key, step: int):
+    """The oversampling filter keeps n of each prompt's M samples (rl.selection); GRPO
+    advantages over the kept n. Selection by acceptance rate recomputes all M rows first
+    (the recompute phase then reuses the kept rows' results)."""
+    c, plan, n, big_m = ctx.config.rl, setup.plan, setup.n, setup.m
+    r = gen.rollout
+    rec = None
+    if big_m > n and c.selection == "acceptance":  # needs the dense forward of all M
+        rec = _recompute_rollout(ctx, setup, st, r)
+    rows, metrics = select_rows(
+        rewards_all,
+        n,
+        big_m,
+        key,
+        selection=c.selection,
+        rollout=r,
+        dense_logp=None if rec is None else rec["dense_logp"],
+        acceptance_c=c.acceptance_C,
+    )
+    kept, rewards = r, rewards_all
+    if big_m > n:
+        kept, rewards = gather_rows(r, rows, plan), rewards_all[rows]
+    if plan is not None:
+        kept = plan.shard_batch(kept)
+    if rec is not None:  # the metrics stay those of all M rows
+        rec = dict(
+            gather_rows({k: v for k, v in rec.items() if k != "metrics"}, rows, plan),
+            metrics=rec["metrics"],
+        )
+    adv_B = grpo_advantages(jnp.asarray(rewards), n, scale_by_std=c.scale_adv_by_std)
+    adv_B = sharding.as_global(plan, adv_B)
+    if faults.action("rl_nan", step + 1) == "nan":  # test hook: a non-finite loss
+        adv_B = adv_B * jnp.nan
+    metrics.update(
+        reward_kept=float(rewards.mean()),
+        response_length_kept_mean=float(sharding.to_host(kept.completion_lengths).mean()),
+    )
+    return Selected(kept, rewards, adv_B, rec), metrics
+
+
+def recompute(ctx, setup: RLSetup, st: TrainState, sel: Selected, ref_params):
+    """Teacher-forced forwards of the kept rows, no gradient: dense (theta, no adapter), the
+    actor's twin, exact mismatch metrics; theta's batch with its old log-probs and
+    off-policy corrections; the reference log-probs (rl.kl_coef > 0); and, where phi is
+    trained, its teacher cached before theta moves."""
+    c, kept = ctx.config.rl, sel.kept
+    rec = sel.rec if sel.rec is not None else _recompute_rollout(ctx, setup, st, kept)
+    batch, metrics = theta_batch(
+        setup.mode.name, kept, sel.adv, rec["dense_logp"], rec.get("twin_logp"), c
+    )
+    if setup.settings.kl_coef > 0:
+        batch["ref_logp"], _ = recompute_logprobs(
+            ref_params,
+            kept.tokens,
+            batch.get("pages"),
+            graphdef=ctx.graphdef,
+            temperature=c.temperature,
+            spec=setup.settings.spec,
+            chunks=_chunks(setup, kept.tokens.shape[0]),
+        )
+    teacher_logp = teacher_params = None
+    if setup.mode.updates_phi and ctx.config.distill.teacher == "cached":
+        if setup.distill.exact:  # the teacher's full logits: theta before its update
+            teacher_params = jax.tree.map(jnp.copy, st.params)
+        else:
+            teacher_logp = rec["dense_logp"]
+    metrics.update(distill.flatten_metrics(jax.device_get(rec["metrics"])))
+    return Recomputed(batch, teacher_logp, teacher_params), metrics
+
+
+def update_theta(ctx, setup: RLSetup, st: TrainState, rec: Recomputed, key):
+    """PPO/GRPO over rl.minibatches minibatches of the kept rows (phi is not an input)."""
+    params, opt_state, ms = _minibatch_updates(
+        grpo_update,
+        st.params,
+        st.opt_state,
+        rec.theta_batch,
+        key,
+        ctx.config.rl.minibatches,
+        setup.plan,
+        graphdef=ctx.graphdef,
+        tx=setup.tx,
+        settings=setup.settings,
+    )
+    return (params, opt_state), _summarize_updates(ms)
+
+
+def update_phi(ctx, setup: RLSetup, st: TrainState, sel: Selected, rec: Recomputed, key):
+    """theta frozen (st.params is the updated theta): phi's L_PPO + lambda KL updates on
+    the same rollouts, against the dense teacher (distill.teacher: cached before theta's
+    update, or recomputed with the updated theta)."""
+    c, kept = ctx.config.rl, sel.kept
+    phi_batch = {
+        "tokens": kept.tokens,
+        "mask": kept.completion_mask,
+        "adv": sel.adv,
+        "rollout_logp": kept.logprobs,
+        "pages": kept.pages(),
+    }
+    teacher_params = rec.teacher_params
+    if ctx.config.distill.teacher == "recomputed":
+        if setup.distill.exact:  # the teacher's full logits come from a forward in the step
+            teacher_params = st.params
+        else:  # dense log-probs of the updated theta
+            phi_batch["teacher_logp"], _ = recompute_logprobs(
+                st.params,
+                kept.tokens,
+                graphdef=ctx.graphdef,
+                temperature=c.temperature,
+                chunks=_chunks(setup, kept.tokens.shape[0]),
+            )
+    elif rec.teacher_logp is not None:
+        phi_batch["teacher_logp"] = rec.teacher_logp
+    lora, lora_opt_state, ms = _minibatch_updates(
+        distill.phi_update,
+        st.lora,
+        st.lora_opt_state,
+        phi_batch,
+        key,
+        c.minibatches,
+        setup.plan,
+        params=st.params,
+        teacher_params=teacher_params,
+        graphdef=ctx.graphdef,
+        tx=setup.lora_tx,
+        settings=setup.distill,
+    )
+    return (lora, lora_opt_state), _summarize_updates(ms, prefix="phi_")

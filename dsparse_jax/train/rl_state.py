@@ -1,0 +1,139 @@
+"""What an RL run derives once from its config (RLSetup) and what it carries from step to
+step (TrainState). The rollout mode's properties (rl/modes.py) decide every choice here:
+the actor's and the trainer's attention, and whether phi exists and is trained."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+from dsparse_jax.attention.spec import AttentionSpec
+from dsparse_jax.data import batches
+from dsparse_jax.model.lora import init_lora
+from dsparse_jax.parallel import sharding
+from dsparse_jax.rl import modes
+from dsparse_jax.train import distill, steps
+from dsparse_jax.train.context import RunContext
+from dsparse_jax.train.grpo import GRPOSettings
+
+RL_DATA_OFFSET = 10_000_000  # RL prompts come from train indices disjoint from SFT's
+
+
+def settings_from(c, spec: AttentionSpec = AttentionSpec()) -> GRPOSettings:
+    return GRPOSettings(
+        temperature=c.temperature,
+        clip_low=c.clip_low,
+        clip_high=c.clip_high,
+        dual_clip=c.dual_clip or None,
+        loss_agg=c.loss_agg,
+        kl_coef=c.kl_coef,
+        kl_kind=c.kl_kind,
+        microbatches=c.microbatches,
+        spec=spec,
+    )
+
+
+def optimizer_from(c, total_steps: int | None = None):
+    return steps.make_optimizer(
+        c.learning_rate,
+        warmup_steps=c.warmup_steps,
+        total_steps=total_steps or c.num_steps,
+        weight_decay=c.weight_decay,
+        max_grad_norm=c.max_grad_norm,
+        schedule=c.schedule,
+    )
+
+
+@dataclasses.dataclass
+class TrainState:
+    """theta (+ its optimizer) and, where the actor applies it, phi (+ its own optimizer)."""
+
+    params: object
+    opt_state: object
+    lora: dict | None = None
+    lora_opt_state: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSetup:
+    """What a run derives once from its config (optimizers, static settings, specs)."""
+
+    mode: modes.RolloutMode
+    n: int  # kept samples per prompt (GRPO group)
+    m: int  # generated samples per prompt (M >= n)
+    tx: object
+    settings: GRPOSettings  # theta's update; settings.spec is the trainer's attention
+    rollout_spec: AttentionSpec  # the actor's attention
+    twin_spec: AttentionSpec | None  # the trainer-side twin of the actor (None: dense actor)
+    lora_scale: float = 1.0
+    lora_tx: object = None
+    distill: distill.DistillSettings | None = None  # phi's update (mode.updates_phi)
+    num_bins: int = 1
+    plan: sharding.MeshPlan | None = None  # the device mesh (None: one device, unsharded)
+    # Teacher-forced no-gradient forwards run in gcd(rows, this) chunks of rows: the
+    # update's microbatch size, the largest group the config already runs at once.
+    recompute_chunks: int = 1
+
+
+def make_setup(ctx: RunContext) -> RLSetup:
+    c = ctx.config.rl
+    mode = modes.get(c.rollout_mode)
+    n = c.samples_per_prompt
+    m = c.samples_generated or n
+    rollout_spec = ctx.rollout_spec if mode.actor_sparse else ctx.spec
+    trainer_spec = rollout_spec if mode.trainer_sparse else ctx.spec
+    lora_scale = ctx.lora_cfg.scale if mode.actor_lora else 1.0
+    lora_tx, dset = None, None
+    if mode.updates_phi:
+        lora_tx = optimizer_from(ctx.config.lora, total_steps=c.num_steps)
+        d = ctx.config.distill
+        dset = distill.DistillSettings(
+            spec=rollout_spec,
+            lora_scale=lora_scale,
+            temperature=c.temperature,
+            loss=d.loss,
+            kl=d.kl,
+            kl_coef=d.kl_coef,
+            clip_low=c.clip_low,
+            clip_high=c.clip_high,
+            dual_clip=c.dual_clip or None,
+            loss_agg=c.loss_agg,
+            microbatches=c.microbatches,
+        )
+    bins = max(1, math.ceil(batches.completion_budget(ctx.task) / ctx.config.metrics.position_bin))
+    plan = sharding.plan_from_config(ctx.config)
+    sharding.check_rl_batches(plan, c)
+    return RLSetup(
+        plan=plan,
+        mode=mode,
+        n=n,
+        m=m,
+        tx=optimizer_from(c),
+        settings=settings_from(c, trainer_spec),
+        rollout_spec=rollout_spec,
+        twin_spec=rollout_spec if mode.has_twin else None,
+        lora_scale=lora_scale,
+        lora_tx=lora_tx,
+        distill=dset,
+        num_bins=bins,
+        recompute_chunks=c.minibatches * c.microbatches,
+    )
+
+
+def init_state(ctx: RunContext, setup: RLSetup, params) -> TrainState:
+    # Onto the mesh; one device: committed to it, like restored checkpoints, so a resumed
+    # run compiles (and hits the compilation cache with) the same programs as a fresh one.
+    put = (
+        (lambda t: jax.device_put(t, jax.devices()[0]))
+        if setup.plan is None
+        else setup.plan.shard_state
+    )
+    params = put(params)
+    st = TrainState(params=params, opt_state=put(setup.tx.init(params)))
+    if setup.mode.actor_lora:
+        st.lora = put(init_lora(ctx.model_cfg, ctx.lora_cfg, jax.random.key(ctx.config.seed + 3)))
+    if setup.mode.updates_phi:
+        st.lora_opt_state = put(setup.lora_tx.init(st.lora))
+    return st
