@@ -38,6 +38,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from dsparse_jax.config import cli  # noqa: E402
+
 # HBM peak bandwidth in GB/s by jax device_kind substring (vendor figures).
 HBM_PEAK_GBS = {
     "H200": 4800.0,
@@ -61,7 +63,7 @@ def log(*a):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--contexts", default="4096,8192,16384,32768,65536,131072")
@@ -282,4 +284,4 @@ def emit(result: dict, out: str):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

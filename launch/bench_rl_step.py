@@ -22,14 +22,13 @@ import os
 import statistics
 import sys
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import flags, logging
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/gemma_math.py", "Path to a config file with get_config()."
-)
+from dsparse_jax.config import cli  # noqa: E402
+from dsparse_jax.errors import UserError  # noqa: E402
+
 _TERMS = flags.DEFINE_list("terms", ["4", "8", "16"], "task.num_terms values (lengths).")
 _MODES = flags.DEFINE_list("modes", ["dense", "distillsparse"], "rl.rollout_mode values.")
 _STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per (length, mode), after 1 warmup.")
@@ -60,7 +59,7 @@ def _sft_params(ctx, workdir):
     ckpt = checkpoints.Checkpointer(workdir, "sft", keep=2)
     step = ckpt.latest_step()
     if step is None:
-        raise SystemExit(f"no SFT checkpoint under {workdir}/sft")
+        raise UserError(f"--params_from: no SFT checkpoint under {workdir}/sft")
     import jax
 
     tree = ckpt.restore(
@@ -84,8 +83,7 @@ class _NoEos:
         return getattr(self._tok, name)
 
 
-def main(argv):
-    del argv
+def main(config):
     logging.set_verbosity(logging.WARNING)
     import jax
     import jax.numpy as jnp
@@ -96,7 +94,7 @@ def main(argv):
 
     results = []
     for terms in map(int, _TERMS.value):
-        base = copy.deepcopy(_CONFIG.value)
+        base = copy.deepcopy(config)
         base.task.num_terms = terms
         base.task.num_vars = max(base.task.num_vars, terms)
         ctx = context.build(base)
@@ -158,5 +156,16 @@ def main(argv):
     print(f"[bench] wrote {_OUT.value}", flush=True)
 
 
+def _entry(argv: list[str]) -> int:
+    """--config=FILE and --config.a.b=v (config/cli.py), the other flags by absl."""
+    path, overrides, rest = cli.split_config_args(argv)
+    try:
+        flags.FLAGS([sys.argv[0], *rest])
+    except flags.Error as e:
+        raise UserError(str(e)) from None
+    main(cli.load_config(path or "configs/gemma_math.py", overrides))
+    return 0
+
+
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(_entry)

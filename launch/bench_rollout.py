@@ -55,6 +55,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from dsparse_jax.config import cli  # noqa: E402
+
 POLICIES = ("distillsparse", "quest", "streaming")
 
 
@@ -63,7 +65,7 @@ def log(*a):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
@@ -598,4 +600,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

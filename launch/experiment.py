@@ -36,6 +36,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "gemma_math.py")
 
+from dsparse_jax.config import cli  # noqa: E402
+from dsparse_jax.errors import UserError  # noqa: E402
 from dsparse_jax.report.variants import ALIASES, DESCRIPTIONS, MAIN, VARIANTS  # noqa: E402
 
 # Every run (below the quick preset and --set): completion-position bins of 16 tokens for
@@ -79,7 +81,7 @@ def parse_sets(items: list[str]) -> dict:
         if key.startswith("config."):
             key = key[len("config.") :]
         if not sep or not key:
-            raise SystemExit(f"--set {item!r}: expected key=value, e.g. rl.learning_rate=1e-4")
+            raise UserError(f"--set {item!r}: expected key=value, e.g. rl.learning_rate=1e-4")
         out[key] = value
     return out
 
@@ -90,19 +92,7 @@ def override_args(overrides: dict) -> list[str]:
 
 def load_config(config_path: str, overrides: dict):
     """The ConfigDict launch/train.py would build from these overrides (no jax import)."""
-    from absl import flags
-    from ml_collections import config_flags
-
-    fv = flags.FlagValues()
-    argv = ["experiment", f"--config={config_path}", *override_args(overrides)]
-    config_flags.DEFINE_config_file(
-        "config", config_path, "config", flag_values=fv, lock_config=True, sys_argv=argv
-    )
-    try:
-        fv(argv)
-    except (flags.Error, KeyError, ValueError, AttributeError) as e:
-        raise SystemExit(f"bad config override: {e}") from None
-    return fv.config
+    return cli.load_config(config_path, overrides)
 
 
 def resolve_variants(spec: str | None, quick: bool) -> list[str]:
@@ -114,7 +104,7 @@ def resolve_variants(spec: str | None, quick: bool) -> list[str]:
     for name in spec.split(","):
         name = ALIASES.get(name.strip(), name.strip())
         if name not in VARIANTS:
-            raise SystemExit(
+            raise UserError(
                 f"unknown variant {name!r}; known: {', '.join(VARIANTS)} "
                 f"(aliases {', '.join(ALIASES)})"
             )
@@ -131,9 +121,9 @@ def common_overrides(args) -> dict:
     sets = parse_sets(args.set)
     for key in sets:
         if any(key == k for v in VARIANTS.values() for k in v):
-            raise SystemExit(f"--set {key}: this field defines the variants; use --variants")
+            raise UserError(f"--set {key}: this field defines the variants; use --variants")
         if key == "seed":
-            raise SystemExit("--set seed: use --seeds")
+            raise UserError("--set seed: use --seeds")
     out.update(sets)
     if args.steps is not None:
         out["rl.num_steps"] = args.steps
@@ -207,7 +197,7 @@ def _check_same(path: str, key: str, current: dict, what: str) -> None:
     now = {k: fmt_value(v) for k, v in current.items() if k != "rl.num_steps"}
     if before != now:
         diff = sorted(set(before.items()) ^ set(now.items()))
-        raise SystemExit(
+        raise UserError(
             f"{what} was started with other settings (differences: {diff}); "
             f"use another --expdir or delete {os.path.dirname(path)}"
         )
@@ -335,12 +325,12 @@ def cmd_run(args) -> int:
     if args.budget_from_sweep:
         sweep = _read_json(os.path.join(args.expdir, "sweep", "sweep.json"))
         if not sweep or sweep.get("suggested_budget") is None:
-            raise SystemExit(
+            raise UserError(
                 f"--budget_from_sweep: no suggested budget in "
                 f"{args.expdir}/sweep/sweep.json (run `sweep` first)"
             )
         if "sparse.budget" in parse_sets(args.set):
-            raise SystemExit("--budget_from_sweep and --set sparse.budget: choose one")
+            raise UserError("--budget_from_sweep and --set sparse.budget: choose one")
         common["sparse.budget"] = sweep["suggested_budget"]
         print(f"[experiment] sparse.budget={sweep['suggested_budget']} from the sweep", flush=True)
     cfg = load_config(args.config, common)  # fails early on a bad override
@@ -715,7 +705,7 @@ def _common_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = p.add_subparsers(dest="command", required=True)
@@ -796,4 +786,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

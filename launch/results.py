@@ -22,7 +22,6 @@ Definitions (also printed under the table):
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
@@ -34,6 +33,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from dsparse_jax.config import cli  # noqa: E402
+from dsparse_jax.errors import UserError  # noqa: E402
 from dsparse_jax.report.metrics import read_metrics  # noqa: E402
 from dsparse_jax.report.variants import DESCRIPTIONS, MAIN, ORDER  # noqa: E402
 
@@ -574,7 +575,7 @@ def write_report(expdir: str, out: str | None = None, fig_dir: str | None = None
     fig_dir = fig_dir or os.path.join(os.path.dirname(os.path.abspath(out)), "results")
     runs = find_runs(expdir)
     if not runs:
-        raise SystemExit(f"no runs with RL metrics under {expdir}")
+        raise UserError(f"no runs with RL metrics under {expdir}")
     sweep = _read_json(os.path.join(expdir, "sweep", "sweep.json"))
     sweep_md = None
     if os.path.exists(os.path.join(expdir, "sweep", "sweep.md")):
@@ -595,7 +596,7 @@ def write_report(expdir: str, out: str | None = None, fig_dir: str | None = None
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--expdir", required=True)
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "results.md"))
     p.add_argument("--fig_dir", default=None)
@@ -604,4 +605,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -1,38 +1,40 @@
 """Main job: SFT warm start (cached), then RL. See configs/gemma_math.py.
 
   python launch/train.py --config=configs/gemma_math.py [--workdir=runs/gemma_math]
-      [--config.rl.learning_rate=3e-4 ...] [--sft_only]
+      [--config.rl.learning_rate=3e-4 ...] [--sft_only] [--verbose]
 
 Writes <workdir>/metrics.jsonl, <workdir>/tb (TensorBoard), <workdir>/sft and
-<workdir>/checkpoints (orbax). Rerunning the same command resumes.
+<workdir>/checkpoints (orbax). Rerunning the same command resumes. A bad invocation (an
+unknown key, a bad value, a missing file, an unusable workdir, an incompatible checkpoint)
+prints one line `error: ...` and exits with status 2; --verbose adds the traceback
+(docs/reliability.md).
 """
 
 import os
 import sys
 
-from absl import app, flags, logging
-from ml_collections import config_flags
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/gemma_math.py", "Path to a config file with get_config().", lock_config=True
-)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default runs/<config.name>).")
-_SFT_ONLY = flags.DEFINE_bool(
-    "sft_only", False, "Stop after the SFT warm start (<workdir>/sft), before RL."
-)
+from dsparse_jax.config import cli  # noqa: E402
+
+DEFAULT_CONFIG = "configs/gemma_math.py"
 
 
-def main(argv):
-    del argv
+def main(argv: list[str]) -> int:
+    path, overrides, rest = cli.split_config_args(argv)
+    p = cli.ArgumentParser(prog="train.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workdir", default=None, help="run directory (default runs/<config.name>)")
+    p.add_argument("--sft_only", action="store_true", help="stop after the SFT warm start")
+    args = p.parse_args(rest)
+    config = cli.load_config(path or DEFAULT_CONFIG, overrides)
+    from absl import logging
+
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-    from dsparse_jax.train import run  # after flag parsing: imports jax
+    from dsparse_jax.train import run  # imports jax
 
-    config = _CONFIG.value
-    workdir = _WORKDIR.value or os.path.join("runs", config.name)
-    run.main(config, workdir, sft_only=_SFT_ONLY.value)
+    run.main(config, args.workdir or os.path.join("runs", config.name), sft_only=args.sft_only)
+    return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from dsparse_jax.errors import UserError
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
     "model.d_model=32",
@@ -64,7 +66,7 @@ def test_plan_variants_and_overrides():
     ]
     assert ex.resolve_variants(None, True) == list(ex.MAIN)
     assert ex.resolve_variants(None, False) == list(ex.VARIANTS)
-    with pytest.raises(SystemExit):
+    with pytest.raises(UserError):
         ex.resolve_variants("nope", False)
     # every variant at the first seed, then the main comparison's other seeds
     assert ex.plan_runs(["dense", "sparse_tis", "distillsparse"], [0, 1]) == [
@@ -89,7 +91,7 @@ def test_plan_variants_and_overrides():
     assert common["sparse.budget"] == ex.QUICK["sparse.budget"]
     assert common["eval.every"] == ex.QUICK["eval.every"]
     A.set = ["rl.rollout_mode=dense"]  # defines the variants: refused
-    with pytest.raises(SystemExit):
+    with pytest.raises(UserError):
         ex.common_overrides(A)
 
 

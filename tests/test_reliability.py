@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dsparse_jax.data import rewards
+from dsparse_jax.errors import UserError
 from dsparse_jax.train import run, steps
 from dsparse_jax.reliability import checkpoints, faults
 from dsparse_jax.report.metrics import MetricsWriter, read_metrics
@@ -393,9 +394,9 @@ def test_non_finite_update_is_skipped(what):
 def test_unusable_workdir_is_reported_clearly(tmp_path):
     afile = tmp_path / "file"
     afile.write_text("x")
-    with pytest.raises(SystemExit, match="cannot create workdir .*file/run"):
+    with pytest.raises(UserError, match="cannot create workdir .*file/run"):
         run.prepare_workdir(str(afile / "run"))
-    with pytest.raises(SystemExit, match="workdir is empty"):
+    with pytest.raises(UserError, match="--workdir: empty"):
         run.prepare_workdir("")
     wd = tmp_path / "wd"
     os.makedirs(wd / "checkpoints")
@@ -404,13 +405,13 @@ def test_unusable_workdir_is_reported_clearly(tmp_path):
         pytest.skip("root ignores permission bits: the unreadable cases need a normal user")
     os.chmod(wd / "checkpoints", 0o000)
     try:
-        with pytest.raises(SystemExit, match="checkpoints.* not readable and writable"):
+        with pytest.raises(UserError, match="checkpoints.* not readable and writable"):
             run.prepare_workdir(str(wd))
     finally:
         os.chmod(wd / "checkpoints", 0o755)
     os.chmod(wd, 0o500)
     try:
-        with pytest.raises(SystemExit, match="not readable and writable"):
+        with pytest.raises(UserError, match="not readable and writable"):
             run.prepare_workdir(str(wd))
     finally:
         os.chmod(wd, 0o755)

@@ -9,6 +9,39 @@ the embedded chain-sum task, DistillSparse RL, CPU, no downloads.
 
 import ml_collections
 
+# ModelConfig's fields as config fields (type of a command-line value). vocab_size: None
+# takes the tokenizer's size.
+MODEL_FIELDS = {
+    "vocab_size": int,
+    "d_model": int,
+    "num_layers": int,
+    "num_heads": int,
+    "num_kv_heads": int,
+    "head_dim": int,
+    "mlp_dim": int,
+    "layer_pattern": str,
+    "sliding_window": int,
+    "rope_base_global": float,
+    "rope_base_local": float,
+    "rope_scale_global": float,
+    "query_scale": float,
+    "attn_softcap": float,
+    "final_softcap": float,
+    "qk_norm": bool,
+    "norm_eps": float,
+    "param_dtype": str,
+    "dtype": str,
+}
+
+
+def model_overrides(model_section) -> dict:
+    """ModelConfig keyword arguments from config.model: the fields that are set (not None),
+    layer_pattern as a tuple."""
+    out = {k: model_section[k] for k in MODEL_FIELDS if model_section.get(k) is not None}
+    if "layer_pattern" in out:
+        out["layer_pattern"] = tuple(p.strip() for p in out["layer_pattern"].split(","))
+    return out
+
 
 def defaults() -> ml_collections.ConfigDict:
     """A fresh ConfigDict with every field and its default (the default main job)."""
@@ -16,8 +49,13 @@ def defaults() -> ml_collections.ConfigDict:
     c.name = "gemma_math"
     c.seed = 0
 
+    # Model: a preset, then any field of ModelConfig (model/config.py); a field left at None
+    # keeps the preset's value (config.json records the resolved values). layer_pattern is
+    # a comma list of global | local, repeated to num_layers (e.g. "local,global").
     c.model = ml_collections.ConfigDict()
     c.model.preset = "tiny"  # tiny | gemma2_2b | gemma3_1b | gemma3_4b
+    for name, kind in MODEL_FIELDS.items():
+        c.model[name] = ml_collections.FieldReference(None, field_type=kind)
     c.model.d_model = 128
     c.model.num_layers = 4
     c.model.mlp_dim = 512

@@ -7,7 +7,7 @@ rollout-mode sections. docs/reliability.md lists the checks.
 
 from __future__ import annotations
 
-import dataclasses
+import difflib
 import importlib.util
 import math
 import os
@@ -15,13 +15,14 @@ import re
 
 from dsparse_jax.attention.spec import IMPLS, POLICIES
 from dsparse_jax.config import schema
+from dsparse_jax.errors import UserError
 from dsparse_jax.model.config import PRESETS
 from dsparse_jax.model.transformer import LINEAR_NAMES
 from dsparse_jax.rl.losses import AGG_MODES
 from dsparse_jax.rl.modes import DISTILL_LOSSES, KL_KINDS, MODES, TEACHERS
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config value that cannot work; the message starts with the field's name."""
 
 
@@ -69,12 +70,31 @@ def load_config(path: str):
     return mod.get_config()
 
 
+def suggest(name: str, choices) -> str:
+    """' (did you mean x?)' for the closest of `choices`, or ''."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def flat_keys(c, prefix: str = "") -> list[str]:
+    """Every field of a config as a dotted path (sections included)."""
+    out = []
+    for k in c.keys():
+        out.append(prefix + k)
+        if hasattr(c[k], "keys"):
+            out += flat_keys(c[k], prefix + k + ".")
+    return out
+
+
 def check_keys(c, reference, prefix: str = "") -> None:
     """Every key of `c` exists in `reference` (a typo is not silently ignored) and every
     key of `reference` exists in `c` (the code reads them all)."""
     for k in c.keys():
         field = prefix + k
-        _check(k in reference, field, "unknown key (not declared in dsparse_jax/config/schema.py)")
+        if k not in reference:
+            raise ConfigError(
+                f"config.{field}: unknown key{suggest(field, flat_keys(schema.defaults()))}"
+            )
         sub, ref = c[k], reference[k]
         if hasattr(ref, "keys"):
             _check(hasattr(sub, "keys"), field, "must be a section (ConfigDict)")
@@ -177,7 +197,7 @@ def _validate_shapes(c) -> None:
     a checkpoint's shapes are checked when it is read), the KV cache, the mesh."""
     from dsparse_jax.data import batches
     from dsparse_jax.data.math_task import ChainTaskConfig
-    from dsparse_jax.model.config import ModelConfig, preset
+    from dsparse_jax.model.config import preset
 
     source = c.data.source if "data" in c else "synthetic:chain"
     page = c.attention.page_size
@@ -209,10 +229,8 @@ def _validate_shapes(c) -> None:
         f"prompt ({prompt}) + generation ({gen}) tokens exceed the KV cache ({cache})",
     )
     if not c.model.get("checkpoint_dir", ""):
-        names = {f.name for f in dataclasses.fields(ModelConfig)}
-        overrides = {k: c.model[k] for k in c.model.keys() if k in names}
         try:
-            model = preset(c.model.preset, **overrides)
+            model = preset(c.model.preset, **schema.model_overrides(c.model))
         except (ValueError, TypeError) as e:  # "ModelConfig.<field> must ..."
             m = re.search(r"ModelConfig\.(\w+)", str(e))
             field = f"model.{m.group(1)}" if m else "model"

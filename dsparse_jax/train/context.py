@@ -9,6 +9,7 @@ docs/real_models.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -16,6 +17,8 @@ import jax
 from flax import nnx
 
 from dsparse_jax.attention.spec import AttentionSpec, SparseSpec
+from dsparse_jax.config import schema
+from dsparse_jax.config.validate import ConfigError
 from dsparse_jax.data import batches, sources
 from dsparse_jax.data.gemma_tokenizer import GemmaTokenizer
 from dsparse_jax.data.math_task import ChainTaskConfig, build_tokenizer
@@ -53,9 +56,26 @@ class RunContext:
 
 
 def model_config(config, vocab_size: int) -> ModelConfig:
-    m = config.model
-    overrides = {k: m[k] for k in m.keys() if k not in ("preset", "checkpoint_dir")}
-    return preset(m.preset, vocab_size=vocab_size, **overrides)
+    overrides = schema.model_overrides(config.model)
+    if overrides.setdefault("vocab_size", vocab_size) < vocab_size:
+        raise ConfigError(
+            f"config.model.vocab_size: {overrides['vocab_size']} is smaller than the "
+            f"tokenizer's {vocab_size} pieces"
+        )
+    return preset(config.model.preset, **overrides)
+
+
+@contextlib.contextmanager
+def _user_input(field: str):
+    """Errors reading the files a config field names are the user's: ConfigError naming
+    the field (unless the message already names one)."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (OSError, ValueError, ImportError, RuntimeError) as e:
+        msg = str(e)
+        raise ConfigError(msg if msg.startswith("config.") else f"config.{field}: {msg}") from e
 
 
 def _data_task(config):
@@ -63,7 +83,7 @@ def _data_task(config):
     scheme, target = sources.parse_uri(config.get("data", {}).get("source", "synthetic:chain"))
     if scheme == "synthetic":
         if target != "chain":
-            raise ValueError(f"config.data.source: unknown synthetic task {target!r} (chain)")
+            raise ConfigError(f"config.data.source: unknown synthetic task {target!r} (chain)")
         task = ChainTaskConfig(
             num_vars=config.task.num_vars,
             num_terms=config.task.num_terms,
@@ -71,15 +91,16 @@ def _data_task(config):
         )
         return task, build_tokenizer(task, config.seed)
     if config.sft.get("enabled", True):
-        raise ValueError(
+        raise ConfigError(
             "config.sft.enabled: the SFT warm start is for the synthetic task "
             "only; real datasets start RL from a checkpoint (sft.enabled=False)"
         )
     d, ckpt = config.data, config.model.get("checkpoint_dir", "")
     path = config.tokenizer.path or (os.path.join(ckpt, "tokenizer.model") if ckpt else "")
     if not path:
-        raise ValueError("config.tokenizer.path: a real dataset needs a Gemma tokenizer.model")
-    tok = GemmaTokenizer.load(path, chat=config.tokenizer.chat)
+        raise ConfigError("config.tokenizer.path: a real dataset needs a Gemma tokenizer.model")
+    with _user_input("tokenizer.path"):
+        tok = GemmaTokenizer.load(path, chat=config.tokenizer.chat)
     scfg = sources.SourceConfig(
         question_field=d.question_field,
         answer_field=d.answer_field,
@@ -92,16 +113,17 @@ def _data_task(config):
         data_dir=d.data_dir,
         split=d.split,
     )
-    task = sources.build_task(
-        d.source,
-        d.eval_source,
-        scfg,
-        tok,
-        config.eval.num_problems,
-        d.max_new_tokens,
-        config.seed,
-        eval_split=d.eval_split,
-    )
+    with _user_input("data.source"):
+        task = sources.build_task(
+            d.source,
+            d.eval_source,
+            scfg,
+            tok,
+            config.eval.num_problems,
+            d.max_new_tokens,
+            config.seed,
+            eval_split=d.eval_split,
+        )
     return task, tok
 
 
@@ -111,16 +133,17 @@ def _model(config, tok):
     if not ckpt:
         model_cfg = model_config(config, tok.vocab_size)
         return (model_cfg, *nnx.split(Transformer(model_cfg, nnx.Rngs(config.seed))))
-    model_cfg = hf_checkpoint.load_model_config(
-        ckpt, param_dtype=config.model.param_dtype, dtype=config.model.dtype
-    )
-    if tok.vocab_size > model_cfg.vocab_size:
-        raise ValueError(
-            f"tokenizer has {tok.vocab_size} pieces, more than the checkpoint's "
-            f"vocab_size {model_cfg.vocab_size}"
+    with _user_input("model.checkpoint_dir"):
+        model_cfg = hf_checkpoint.load_model_config(
+            ckpt, param_dtype=config.model.param_dtype, dtype=config.model.dtype
         )
-    graphdef, _ = hf_checkpoint.abstract_params(model_cfg)
-    return model_cfg, graphdef, hf_checkpoint.load_params(ckpt, model_cfg)
+        if tok.vocab_size > model_cfg.vocab_size:
+            raise ValueError(
+                f"tokenizer has {tok.vocab_size} pieces, more than the checkpoint's "
+                f"vocab_size {model_cfg.vocab_size}"
+            )
+        graphdef, _ = hf_checkpoint.abstract_params(model_cfg)
+        return model_cfg, graphdef, hf_checkpoint.load_params(ckpt, model_cfg)
 
 
 def build(config) -> RunContext:

@@ -25,6 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from dsparse_jax.errors import UserError
 from dsparse_jax.parallel import sharding
 from dsparse_jax.reliability import checkpoints, faults
 from dsparse_jax.report.metrics import MetricsWriter, Progress
@@ -138,17 +139,17 @@ def _resume(ckpt, st: TrainState, rng, mode: str, prompts_per_step: int):
     try:
         found = ckpt.restore_latest(_saveable(st, rng, 0, 0), OPTIONAL_KEYS)
     except checkpoints.IncompatibleCheckpoint as e:  # e.g. another rollout mode
-        raise SystemExit(
+        raise UserError(
             f"cannot resume from {ckpt.directory} in rl.rollout_mode={mode}: {e}"
         ) from None
     except checkpoints.CheckpointError as e:
-        raise SystemExit(f"[rl] {e}") from None
+        raise UserError(f"{ckpt.directory}: {e}") from None
     if found is None:
         return st, rng, 0, 0
     st, rng, step, extra = _from_tree(found[1], st)
     position = int(extra["data_position"])
     if position != RL_DATA_OFFSET + step * prompts_per_step:
-        raise SystemExit(
+        raise UserError(
             f"cannot resume from {ckpt.directory} step {step}: data position "
             f"{position} does not match rl.prompts_per_step={prompts_per_step}"
         )

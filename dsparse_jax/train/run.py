@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
 
 import jax
 
+from dsparse_jax.config import schema
 from dsparse_jax.data import sources
+from dsparse_jax.errors import UserError
 from dsparse_jax.train import context, rl_loop, sft
 from dsparse_jax.parallel import distributed, sharding
 from dsparse_jax.report.metrics import MetricsWriter, read_metrics
@@ -16,19 +19,31 @@ from dsparse_jax.config.validate import validate
 
 
 def prepare_workdir(workdir: str) -> None:
-    """Creates the workdir; one clear line (SystemExit) if it cannot be used."""
+    """Creates the workdir; a UserError naming it if it cannot be used."""
     if not workdir:
-        raise SystemExit("workdir is empty: pass --workdir=<dir>")
+        raise UserError("--workdir: empty; pass --workdir=<dir>")
     try:
         os.makedirs(workdir, exist_ok=True)
     except OSError as e:
-        raise SystemExit(f"cannot create workdir {workdir!r}: {e.strerror or e}") from None
+        raise UserError(f"cannot create workdir {workdir!r}: {e.strerror or e}") from None
     if not os.access(workdir, os.R_OK | os.W_OK | os.X_OK):
-        raise SystemExit(f"workdir {workdir!r} is not readable and writable")
+        raise UserError(f"workdir {workdir!r} is not readable and writable")
     for name in ("metrics.jsonl", "checkpoints", "sft"):
         path = os.path.join(workdir, name)
         if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK):
-            raise SystemExit(f"{path!r} in the workdir is not readable and writable")
+            raise UserError(f"{path!r} in the workdir is not readable and writable")
+
+
+def write_config(workdir: str, config, model_cfg=None) -> None:
+    """<workdir>/config.json; with the built model's config, model.* holds the resolved
+    values (the preset's where the config left a field unset)."""
+    if model_cfg is not None:
+        config = copy.deepcopy(config)
+        for name in schema.MODEL_FIELDS:
+            value = getattr(model_cfg, name)
+            config.model[name] = ",".join(value) if name == "layer_pattern" else value
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json_best_effort(indent=2))
 
 
 def main(config, workdir: str, sft_only: bool = False) -> dict:
@@ -38,12 +53,13 @@ def main(config, workdir: str, sft_only: bool = False) -> dict:
     try:  # the mesh and the RL batch sizes it must split, before the SFT warm start
         sharding.check_rl_batches(sharding.plan_from_config(config), config.rl)
     except ValueError as e:
-        raise SystemExit(str(e)) from None
+        msg = str(e)
+        raise UserError(msg if msg.startswith("config.") else f"config.mesh: {msg}") from None
     prepare_workdir(workdir)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=2))
+    write_config(workdir, config)
     t0 = time.time()
     ctx = context.build(config)
+    write_config(workdir, config, ctx.model_cfg)
     print(
         f"[run] {config.name}: model {ctx.model_cfg.d_model}d x {ctx.model_cfg.num_layers} "
         f"layers, {ctx.num_params / 1e6:.2f}M params, vocab {ctx.tok.vocab_size}; "

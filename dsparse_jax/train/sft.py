@@ -11,6 +11,7 @@ import jax
 from jax.experimental import multihost_utils
 
 from dsparse_jax.data import batches
+from dsparse_jax.errors import UserError
 from dsparse_jax.data.sources import problems
 from dsparse_jax.train import steps
 from dsparse_jax.reliability import checkpoints, faults
@@ -59,7 +60,10 @@ def warm_start(ctx: RunContext, workdir: str, writer: MetricsWriter):
             checkpoints.to_saveable(params, opt_state, rng=jax.random.key(0), step=0)
         )
     except (checkpoints.CheckpointError, checkpoints.IncompatibleCheckpoint) as e:
-        raise SystemExit(f"[sft] cannot resume from {ckpt.directory}: {e}") from None
+        raise UserError(
+            f"cannot resume from {ckpt.directory}: {e}; another model or config wrote it: "
+            "use another --workdir"
+        ) from None
     accuracy = None
     if found is not None:
         params, opt_state, _, step, _ = checkpoints.from_saveable(found[1], params, opt_state)
