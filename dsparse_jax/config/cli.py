@@ -41,14 +41,13 @@ def parse_value(text, kind, field: str):
 
 def apply_override(config, dotted: str, text) -> None:
     """Sets config.<dotted> from a command-line value, typed like the field it replaces."""
-    from dsparse_jax.config.validate import flat_keys, suggest
+    from dsparse_jax.config.validate import unknown_key
 
     parts = dotted.split(".")
     section = config
     for i, part in enumerate(parts):
         if not hasattr(section, "keys") or part not in section:
-            where = ".".join(parts[: i + 1])
-            raise UserError(f"config.{where}: unknown key{suggest(dotted, flat_keys(config))}")
+            raise unknown_key(".".join(parts[: i + 1]), config)
         if i < len(parts) - 1:
             section = section[part]
     name = parts[-1]

@@ -70,20 +70,32 @@ def load_config(path: str):
     return mod.get_config()
 
 
-def suggest(name: str, choices) -> str:
+def _suggest(name: str, choices) -> str:
     """' (did you mean x?)' for the closest of `choices`, or ''."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-def flat_keys(c, prefix: str = "") -> list[str]:
+def _flat_keys(c, prefix: str = "") -> list[str]:
     """Every field of a config as a dotted path (sections included)."""
     out = []
     for k in c.keys():
         out.append(prefix + k)
         if hasattr(c[k], "keys"):
-            out += flat_keys(c[k], prefix + k + ".")
+            out += _flat_keys(c[k], prefix + k + ".")
     return out
+
+
+def unknown_key(field: str, config) -> ConfigError:
+    """The error for config.<field>, which `config` does not declare, naming its closest
+    declared key."""
+    return ConfigError(f"config.{field}: unknown key{_suggest(field, _flat_keys(config))}")
+
+
+def field_error(field: str, e: Exception) -> ConfigError:
+    """`e` as a ConfigError naming config.<field>, unless its message already names one."""
+    msg = str(e)
+    return ConfigError(msg if msg.startswith("config.") else f"config.{field}: {msg}")
 
 
 def check_keys(c, reference, prefix: str = "") -> None:
@@ -92,9 +104,7 @@ def check_keys(c, reference, prefix: str = "") -> None:
     for k in c.keys():
         field = prefix + k
         if k not in reference:
-            raise ConfigError(
-                f"config.{field}: unknown key{suggest(field, flat_keys(schema.defaults()))}"
-            )
+            raise unknown_key(field, schema.defaults())
         sub, ref = c[k], reference[k]
         if hasattr(ref, "keys"):
             _check(hasattr(sub, "keys"), field, "must be a section (ConfigDict)")

@@ -18,7 +18,7 @@ from flax import nnx
 
 from dsparse_jax.attention.spec import AttentionSpec, SparseSpec
 from dsparse_jax.config import schema
-from dsparse_jax.config.validate import ConfigError
+from dsparse_jax.config.validate import ConfigError, field_error
 from dsparse_jax.data import batches, sources
 from dsparse_jax.data.gemma_tokenizer import GemmaTokenizer
 from dsparse_jax.data.math_task import ChainTaskConfig, build_tokenizer
@@ -74,8 +74,7 @@ def _user_input(field: str):
     except ConfigError:
         raise
     except (OSError, ValueError, ImportError, RuntimeError) as e:
-        msg = str(e)
-        raise ConfigError(msg if msg.startswith("config.") else f"config.{field}: {msg}") from e
+        raise field_error(field, e) from e
 
 
 def _data_task(config):

@@ -15,7 +15,7 @@ from dsparse_jax.errors import UserError
 from dsparse_jax.train import context, rl_loop, sft
 from dsparse_jax.parallel import distributed, sharding
 from dsparse_jax.report.metrics import MetricsWriter, read_metrics
-from dsparse_jax.config.validate import validate
+from dsparse_jax.config.validate import field_error, validate
 
 
 def prepare_workdir(workdir: str) -> None:
@@ -53,8 +53,7 @@ def main(config, workdir: str, sft_only: bool = False) -> dict:
     try:  # the mesh and the RL batch sizes it must split, before the SFT warm start
         sharding.check_rl_batches(sharding.plan_from_config(config), config.rl)
     except ValueError as e:
-        msg = str(e)
-        raise UserError(msg if msg.startswith("config.") else f"config.mesh: {msg}") from None
+        raise field_error("mesh", e) from None
     prepare_workdir(workdir)
     write_config(workdir, config)
     t0 = time.time()
