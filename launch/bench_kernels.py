@@ -141,6 +141,7 @@ def time_fn(fn, args_, reps: int, warmup: int):
 def cpu_sanity_check() -> dict:
     """Interpret-mode Pallas decode kernel vs the XLA reference on a tiny shape."""
     import jax.numpy as jnp
+
     from dsparse_jax.attention import sparse
     from dsparse_jax.attention.spec import LayerInfo
     from pallas_kernels import sparse_decode
@@ -167,6 +168,7 @@ def main(argv=None):
     args = parse_args(argv)
     import jax
     import jax.numpy as jnp
+
     from dsparse_jax.attention import dense, sparse
     from dsparse_jax.attention.spec import LayerInfo
 

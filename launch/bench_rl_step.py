@@ -52,8 +52,8 @@ PHASES = (  # train/phases.py: time_<phase> of every phase, and their sum
 
 
 def _sft_params(ctx, workdir):
-    from dsparse_jax.train import sft
     from dsparse_jax.reliability import checkpoints
+    from dsparse_jax.train import sft
 
     tx = sft._optimizer(ctx.config.sft)
     ckpt = checkpoints.Checkpointer(workdir, "sft", keep=2)
@@ -88,9 +88,9 @@ def main(config):
     import jax
     import jax.numpy as jnp
 
+    from dsparse_jax.config.validate import validate
     from dsparse_jax.data import batches
     from dsparse_jax.train import context, rl_loop
-    from dsparse_jax.config.validate import validate
 
     results = []
     for terms in map(int, _TERMS.value):

@@ -181,6 +181,7 @@ def bench_throughput(model, args, configs, gen_lens, checkpoint=lambda rows: Non
     import jax
     import jax.numpy as jnp
     from flax import nnx
+
     from dsparse_jax.sampling.sampler import Sampler, SamplingConfig, buffer_schedule
 
     graphdef, state = nnx.split(model)
@@ -275,6 +276,7 @@ def filled_caches(model, spec, batch: int, context: int, seed: int):
     """A decode cache holding `context` tokens of random keys/values (summaries included)."""
     import jax
     import jax.numpy as jnp
+
     from dsparse_jax.attention import cache as kv_cache
 
     cfg = model.cfg
@@ -383,6 +385,7 @@ def twin_pages(spec, model, batch: int, seq_len: int, prompt_len: int):
     import dataclasses
 
     import jax.numpy as jnp
+
     from dsparse_jax.attention import selection
 
     sp = dataclasses.replace(spec.sparse, policy="streaming")
@@ -527,6 +530,7 @@ def main(argv=None):
     t_start = time.time()
     import jax
     from flax import nnx
+
     from dsparse_jax.model import config as model_config
     from dsparse_jax.model.transformer import Transformer, count_params
 

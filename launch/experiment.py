@@ -457,13 +457,13 @@ def measure_sweep(
     import jax
     import numpy as np
 
+    from dsparse_jax.config.validate import validate
     from dsparse_jax.data import batches
     from dsparse_jax.data.sources import problems
+    from dsparse_jax.report.metrics import MetricsWriter
     from dsparse_jax.sampling.sampler import SamplingConfig
     from dsparse_jax.train import context, distill, rl_loop, sft
     from dsparse_jax.train.evaluation import score
-    from dsparse_jax.report.metrics import MetricsWriter
-    from dsparse_jax.config.validate import validate
 
     validate(config)
     ctx = context.build(config)

@@ -8,9 +8,9 @@ from jax.experimental import pallas as pl
 
 # The reference's mask value (finite: masked rows never give NaN) and soft-cap, and the
 # dispatcher's interpret-mode rule (Mosaic on TPU, interpret elsewhere): one source each.
-from dsparse_jax.attention.spec import interpret_mode as default_interpret  # noqa: F401
 from dsparse_jax.attention.dense import MASK_VALUE, softcap  # noqa: F401
 from dsparse_jax.attention.selection import NO_PAGE
+from dsparse_jax.attention.spec import interpret_mode as default_interpret  # noqa: F401
 
 # A squeezed (size-1, dropped) block dimension; `None` in older Pallas.
 SQUEEZED = pl.Squeezed() if hasattr(pl, "Squeezed") else None

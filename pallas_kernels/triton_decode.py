@@ -41,8 +41,8 @@ class TritonUnavailableError(RuntimeError):
 def require_triton():
     """Imports triton and jax_triton, or raises a clear error naming the missing extra."""
     try:
-        import triton  # noqa: F401
         import jax_triton  # noqa: F401
+        import triton  # noqa: F401
     except ImportError as e:
         raise TritonUnavailableError(
             "attention.impl='triton_gpu' needs the GPU extras (triton and jax-triton): "

@@ -510,9 +510,10 @@ def test_validate_accepts_exactly_the_impls():
 
 def rollout_model():
     from flax import nnx
+    from model_utils import random_params
+
     from dsparse_jax.model import config as C
     from dsparse_jax.sampling.sampler import Sampler
-    from model_utils import random_params
 
     cfg = C.tiny(vocab_size=32).replace(
         d_model=32,

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
 from model_utils import random_params
+
 from dsparse_jax.model import config as C
 from dsparse_jax.model.lora import LoRAConfig, init_lora, num_params, parse_targets
 from dsparse_jax.model.transformer import LINEAR_NAMES

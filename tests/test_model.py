@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from model_utils import random_params as _random_params
 
 from dsparse_jax.attention import dense
 from dsparse_jax.attention.spec import AttentionSpec, LayerInfo
 from dsparse_jax.model import config as C
 from dsparse_jax.model.transformer import RMSNorm, Transformer, apply_rope, count_params
-from model_utils import random_params as _random_params
 
 LOGIT_TOL = 2e-5  # f32 model vs f64 numpy reference
 DECODE_TOL = 1e-5  # prefill/decode logits vs teacher-forced forward logits (both f32)

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsparse_jax.train import context, phases, rl_loop
 from dsparse_jax.config.validate import ConfigError, load_config, validate
+from dsparse_jax.train import context, phases, rl_loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

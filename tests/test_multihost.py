@@ -31,10 +31,10 @@ def worker(pid: int, port: int, out: str, mesh: tuple) -> None:
     import jax
     import jax.numpy as jnp
     import ml_collections
-
-    from dsparse_jax.train import phases
-    from dsparse_jax.parallel import distributed
     import test_sharding as ts
+
+    from dsparse_jax.parallel import distributed
+    from dsparse_jax.train import phases
 
     dist = ml_collections.ConfigDict(
         {
@@ -137,9 +137,9 @@ def _reference():
     """The single-device step in this (8-device, one-process) test process."""
     import jax
     import jax.numpy as jnp
+    import test_sharding as ts
 
     from dsparse_jax.train import phases
-    import test_sharding as ts
 
     mp = pytest.MonkeyPatch()
     mp.setattr(phases, "grade", ts.fake_score)

@@ -28,9 +28,9 @@ from hypothesis import strategies as st
 
 from dsparse_jax.data import rewards
 from dsparse_jax.errors import UserError
-from dsparse_jax.train import run, steps
 from dsparse_jax.reliability import checkpoints, faults
 from dsparse_jax.report.metrics import MetricsWriter, read_metrics
+from dsparse_jax.train import run, steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 6  # RL steps

@@ -15,13 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from model_utils import random_params
 
 from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.model import config as C
 from dsparse_jax.model.transformer import Transformer
 from dsparse_jax.sampling import sampler as S
 from dsparse_jax.sampling.sampler import Sampler, SamplingConfig
-from model_utils import random_params
 
 LP_TOL = 1e-4
 VOCAB, EOS, PAD = 32, 1, 0

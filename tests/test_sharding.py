@@ -11,15 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-
-from dsparse_jax.sampling.sampler import Sampler
-from dsparse_jax.train import context, phases, rl_loop
-from dsparse_jax.parallel import sharding
-from dsparse_jax.reliability import checkpoints
-from dsparse_jax.train.evaluation import Evaluator
-from dsparse_jax.config.validate import validate
 from model_utils import random_params
 from test_modes import base_config, fake_score
+
+from dsparse_jax.config.validate import validate
+from dsparse_jax.parallel import sharding
+from dsparse_jax.reliability import checkpoints
+from dsparse_jax.sampling.sampler import Sampler
+from dsparse_jax.train import context, phases, rl_loop
+from dsparse_jax.train.evaluation import Evaluator
 
 # Float tolerance of sharded vs single-device results: f32 reductions (matmuls, softmax
 # sums, the gradient all-reduce, the global grad norm) are reordered by the partitioner.

@@ -8,9 +8,9 @@ import sys
 import numpy as np
 import pytest
 
+from dsparse_jax.config.validate import load_config
 from dsparse_jax.data import gemma_tokenizer as gt
 from dsparse_jax.data import math_task, rewards, sources
-from dsparse_jax.config.validate import load_config
 
 CORPUS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as "

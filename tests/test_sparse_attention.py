@@ -23,13 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from model_utils import random_params
 
-from dsparse_jax.attention import api, cache as kv_cache, dense, selection
+from dsparse_jax.attention import api, dense, selection
+from dsparse_jax.attention import cache as kv_cache
 from dsparse_jax.attention.selection import NO_PAGE
 from dsparse_jax.attention.spec import AttentionSpec, LayerInfo, SparseSpec
 from dsparse_jax.model import config as C
 from dsparse_jax.sampling.sampler import Sampler, SamplingConfig, buffer_schedule
-from model_utils import random_params
 
 LP_TOL = 1e-4
 VOCAB, EOS, PAD = 32, 1, 0

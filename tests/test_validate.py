@@ -6,9 +6,9 @@ import os
 
 import pytest
 
+from dsparse_jax.config.validate import ConfigError, load_config, validate
 from dsparse_jax.data import batches
 from dsparse_jax.train import run
-from dsparse_jax.config.validate import ConfigError, load_config, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -43,7 +43,8 @@ import math
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 AXES = ("data", "fsdp", "tensor")
 BATCH = ("data", "fsdp")  # the batch dimension is split over both

@@ -32,9 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsparse_jax.attention.spec import AttentionSpec
+from dsparse_jax.parallel import sharding
 from dsparse_jax.rl import losses, mismatch
 from dsparse_jax.rl.modes import DISTILL_LOSSES, KL_KINDS
-from dsparse_jax.parallel import sharding
 from dsparse_jax.train.steps import accumulated_update, map_row_chunks, token_logprobs
 
 

@@ -18,8 +18,8 @@ import functools
 import jax
 
 from dsparse_jax.attention.spec import AttentionSpec
-from dsparse_jax.rl import losses
 from dsparse_jax.parallel import sharding
+from dsparse_jax.rl import losses
 from dsparse_jax.train.steps import accumulated_update, map_row_chunks, token_logprobs
 
 

@@ -10,12 +10,12 @@ import time
 import jax
 
 from dsparse_jax.config import schema
+from dsparse_jax.config.validate import field_error, validate
 from dsparse_jax.data import sources
 from dsparse_jax.errors import UserError
-from dsparse_jax.train import context, rl_loop, sft
 from dsparse_jax.parallel import distributed, sharding
 from dsparse_jax.report.metrics import MetricsWriter, read_metrics
-from dsparse_jax.config.validate import field_error, validate
+from dsparse_jax.train import context, rl_loop, sft
 
 
 def prepare_workdir(workdir: str) -> None:

@@ -11,12 +11,12 @@ import jax
 from jax.experimental import multihost_utils
 
 from dsparse_jax.data import batches
-from dsparse_jax.errors import UserError
 from dsparse_jax.data.sources import problems
-from dsparse_jax.train import steps
+from dsparse_jax.errors import UserError
 from dsparse_jax.reliability import checkpoints, faults
-from dsparse_jax.train.context import RunContext
 from dsparse_jax.report.metrics import MetricsWriter, Progress
+from dsparse_jax.train import steps
+from dsparse_jax.train.context import RunContext
 
 
 def _optimizer(c):
