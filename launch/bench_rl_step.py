@@ -159,6 +159,9 @@ def main(config):
 def _entry(argv: list[str]) -> int:
     """--config=FILE and --config.a.b=v (config/cli.py), the other flags by absl."""
     path, overrides, rest = cli.split_config_args(argv)
+    if "--help" in rest or "-h" in rest:
+        print(__doc__ + "\n" + flags.FLAGS.main_module_help())
+        return 0
     try:
         flags.FLAGS([sys.argv[0], *rest])
     except flags.Error as e:
