@@ -396,11 +396,8 @@ def twin_pages(spec, model, batch: int, seq_len: int, prompt_len: int):
     )
     ids = jnp.broadcast_to(ids_TxKxP[None], (batch, *ids_TxKxP.shape))
     sparse_query = jnp.broadcast_to((pos >= prompt_len) & (pos < seq_len - 1), (batch, seq_len))
-    return {
-        i: (ids, sparse_query)
-        for i, blk in enumerate(model.layers)
-        if spec.is_sparse_layer(blk.attn.info)
-    }
+    record = selection.PageRecord(ids, sparse_query, prompt_len)
+    return {i: record for i, blk in enumerate(model.layers) if spec.is_sparse_layer(blk.attn.info)}
 
 
 def bench_twin(model, args, configs, lens):

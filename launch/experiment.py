@@ -457,9 +457,11 @@ def measure_sweep(
     import jax
     import numpy as np
 
+    from dsparse_jax.attention.spec import AttentionSpec, SparseSpec
     from dsparse_jax.config.validate import validate
     from dsparse_jax.data import batches
     from dsparse_jax.data.sources import problems
+    from dsparse_jax.model.transformer import sparse_layers
     from dsparse_jax.report.metrics import MetricsWriter
     from dsparse_jax.sampling.sampler import SamplingConfig
     from dsparse_jax.train import context, distill, rl_loop, sft
@@ -558,9 +560,9 @@ def measure_sweep(
         "total_pages": total_pages,
         "page_size": ctx.spec.page_size,
         "seq_width": ctx.seq_width,
-        "sparse_layers": [
-            i for i in range(ctx.model_cfg.num_layers) if i >= config.sparse.dense_layers
-        ],
+        "sparse_layers": sparse_layers(
+            ctx.model_cfg, AttentionSpec(sparse=SparseSpec(dense_layers=config.sparse.dense_layers))
+        ),
         "dense_layers": config.sparse.dense_layers,
         "policy": config.sparse.policy,
         "prompts": prompts,

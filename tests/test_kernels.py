@@ -583,7 +583,10 @@ def test_rollout_pallas_interpret_matches_xla():
     np.testing.assert_allclose(full(rp)[m], full(rx)[m], atol=LP_TOL, rtol=0)
     for layer in rx.page_ids:
         np.testing.assert_array_equal(rp.page_ids[layer], rx.page_ids[layer])
-    np.testing.assert_allclose(tfp, tfx, atol=LP_TOL, rtol=0)
+    # Logits whose prediction is part of the sequence (position < length - 1): past the end
+    # the XLA twin runs junk decode steps and the kernel dense queries (never used).
+    used = np.arange(rx.tokens.shape[1])[None] < np.asarray(rx.lengths)[:, None] - 1
+    np.testing.assert_allclose(tfp[used], tfx[used], atol=LP_TOL, rtol=0)
     # The weight gradient through the Pallas training kernel's custom_vjp (the phi/theta
     # update path) equals the one through the XLA reference.
     for a, e in zip(jax.tree.leaves(gp), jax.tree.leaves(gx)):

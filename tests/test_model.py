@@ -277,6 +277,26 @@ def test_banded_local_attention_matches_full(t, window, kv):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("t,window", [(300, None), (260, 100)])
+def test_causal_block_attention_matches_full(t, window):
+    """Sequences of >= 2 causal blocks skip the blocks above the diagonal: same outputs
+    and gradients as the full masked computation (f32, 1e-5), also with a window too long
+    for bands (each block then starts at its first visible key)."""
+    assert t >= 2 * dense.CAUSAL_BLOCK and (window is None or t < 4 * window)
+    rng = np.random.default_rng(t)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, t, m, 8)), jnp.float32) for m in (4, 2, 2))
+    layer = LayerInfo(index=0, window=window, softcap=2.0, scale=0.5)
+    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, layer)))
+    out = dense.sequence_attention(q, k, v, layer)
+    np.testing.assert_allclose(
+        np.asarray(out), np.asarray(dense._full_attention(q, k, v, layer)), atol=1e-5, rtol=0
+    )
+    g_block = jax.grad(loss(dense.sequence_attention), argnums=(0, 1, 2))(q, k, v)
+    g_full = jax.grad(loss(dense._full_attention), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(g_block, g_full):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+
+
 # ----------------------------------------------------------------------------- pieces
 def test_rmsnorm_one_plus_scale():
     norm = RMSNorm(8, 1e-6, jnp.float32)
@@ -477,3 +497,18 @@ def test_config_helpers():
     assert BASE.replace(query_scale=None).scale == 8**-0.5
     assert BASE.replace(layer_pattern=("global",), sliding_window=None).layer_window(3) is None
     assert [BASE.layer_kind(i) for i in range(4)] == ["local", "global"] * 2
+
+
+def test_sparse_layers_are_global_layers_past_dense_layers():
+    """The sparse-layer listing (sampler records, experiment reports): sliding-window
+    layers are never sparse."""
+    from dsparse_jax.attention.spec import SparseSpec
+    from dsparse_jax.model.transformer import sparse_layers
+
+    spec = AttentionSpec(sparse=SparseSpec(dense_layers=2))
+    assert sparse_layers(C.tiny().replace(num_layers=4), spec) == [3]  # local, global, ...
+    assert sparse_layers(C.preset("mini"), spec) == [2, 3, 4, 5]
+    assert sparse_layers(C.preset("mini"), AttentionSpec()) == []
+    mini = C.preset("mini")
+    assert mini.num_kv_heads >= 2 and mini.group_size >= 2 and mini.num_layers >= 6
+    assert set(mini.layer_pattern) == {"global"}

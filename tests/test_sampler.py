@@ -416,3 +416,32 @@ def test_buffer_length_and_completion_view():
         c = r.completion_lengths[b]
         np.testing.assert_array_equal(view[b, :c], r.tokens[b, LENGTHS[b] : LENGTHS[b] + c])
         assert np.all(view[b, c:] == PAD)
+
+
+def test_rollout_is_a_pytree_with_a_static_prompt_width():
+    """Row gathers (tree maps) keep the static prompt width, which reaches the decode
+    record as the twin's dense prefix; a forced replay needs one row per prompt."""
+    b, s = 4, 16
+    ids = jnp.zeros((b, s, 2, 3), jnp.int32)
+    r = S.Rollout(
+        tokens=jnp.zeros((b, s), jnp.int32),
+        prompt_lengths=jnp.array([3, 5, 5, 2]),
+        completion_lengths=jnp.array([4, 4, 0, 9]),
+        completion_mask=jnp.zeros((b, s)),
+        logprobs=jnp.zeros((b, s)),
+        page_ids={3: ids},
+        prompt_width=6,
+    )
+    assert len(jax.tree.leaves(r)) == 6  # the arrays; prompt_width is static
+    kept = jax.tree.map(lambda x: x[np.array([3, 0])], r)
+    assert kept.prompt_width == 6 and kept.tokens.shape == (2, s)
+    rec = kept.pages()[3]
+    assert rec.dense_prefix == 6 and rec.page_ids.shape == (2, s, 2, 3)
+    np.testing.assert_array_equal(rec.sparse_query[1], (np.arange(s) >= 3) & (np.arange(s) < 6))
+    assert S.Rollout(*jax.tree.leaves(r)[:5], page_ids={3: ids}).pages()[3].dense_prefix is None
+    graphdef, state = random_params(C.tiny(vocab_size=16).replace(num_layers=1), seed=0)
+    cfg = SamplingConfig(4, 1, 0, samples_per_prompt=2)
+    with pytest.raises(ValueError, match="forced"):
+        Sampler(graphdef)(
+            state, jnp.ones((2, 3)), [3, 3], jax.random.key(0), cfg, forced_BxS=jnp.ones((4, 8))
+        )

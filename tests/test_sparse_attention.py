@@ -25,7 +25,7 @@ import pytest
 from flax import nnx
 from model_utils import random_params
 
-from dsparse_jax.attention import api, dense, selection
+from dsparse_jax.attention import api, dense, selection, sparse
 from dsparse_jax.attention import cache as kv_cache
 from dsparse_jax.attention.selection import NO_PAGE
 from dsparse_jax.attention.spec import AttentionSpec, LayerInfo, SparseSpec
@@ -80,7 +80,10 @@ def sparse_rollout(kv_heads, spec, seed=0):
             break
     t = SAMPLING.temperature
     tf_sparse = jax.nn.log_softmax(forward(state, r.tokens, spec, r.pages()) / t, -1)
-    all_dense = {i: (ids, jnp.zeros_like(sq)) for i, (ids, sq) in r.pages().items()}
+    all_dense = {
+        i: selection.PageRecord(rec.page_ids, jnp.zeros_like(rec.sparse_query))
+        for i, rec in r.pages().items()
+    }
     tf_dense = jax.nn.log_softmax(forward(state, r.tokens, spec, all_dense) / t, -1)
     r = jax.device_get(r)
     return r, step_distributions(r), shift(tf_sparse), shift(tf_dense)
@@ -207,6 +210,38 @@ def test_page_record_structure(case):
 
 
 @pytest.mark.slow
+def test_forced_replay_reproduces_the_rollout():
+    """Replaying a sparse rollout's tokens through the decode loop (forced_BxS) gives back
+    its tokens, completion lengths and recorded pages exactly and its log-probs (f32,
+    1e-5); replaying it under another budget keeps the tokens but selects other pages."""
+    kv, spec, _ = SPARSE_CASES["quest_schedule_kv2"]
+    _, state, sampler, _ = model(kv)
+    r, _, _, _ = sparse_rollout(kv, spec)
+    cfg = dataclasses.replace(SAMPLING, top_logprobs=0)
+    replay = jax.device_get(
+        sampler(
+            state, jnp.asarray(PROMPTS), LENGTHS, jax.random.key(9), cfg, spec, forced_BxS=r.tokens
+        )
+    )
+    np.testing.assert_array_equal(replay.tokens, r.tokens)
+    np.testing.assert_array_equal(replay.completion_lengths, r.completion_lengths)
+    for layer, ids in r.page_ids.items():
+        np.testing.assert_array_equal(replay.page_ids[layer], ids)
+    np.testing.assert_allclose(replay.logprobs, r.logprobs, atol=1e-5, rtol=0)
+    other = dataclasses.replace(
+        spec, sparse=SparseSpec("quest", budget=6, sink_pages=1, recent_pages=1, dense_layers=2)
+    )
+    moved = jax.device_get(
+        sampler(
+            state, jnp.asarray(PROMPTS), LENGTHS, jax.random.key(9), cfg, other, forced_BxS=r.tokens
+        )
+    )
+    np.testing.assert_array_equal(moved.tokens, r.tokens)
+    assert any(np.any(moved.page_ids[i] != r.page_ids[i]) for i in r.page_ids)
+    assert np.abs(moved.logprobs - r.logprobs).max() > 1e-3
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["dense", "distillsparse_kv1", "quest_schedule_kv2"])
 def test_growing_cache_buffer_changes_nothing(case):
     """A rollout whose decode cache grows through 4 buffers (sampler.buffer_schedule) is the
@@ -295,8 +330,8 @@ def jax_selection():
 
     def run(k_prompt, k_steps, q, lengths):
         out = {}
-        for name, sparse in SEL_CASES.items():
-            spec = AttentionSpec(page_size=SEL_PS, sparse=sparse)
+        for name, sparse_spec in SEL_CASES.items():
+            spec = AttentionSpec(page_size=SEL_PS, sparse=sparse_spec)
             assert spec.is_sparse_layer(SEL_LAYER)
             c = kv_cache.init_layer_cache(
                 SEL_B, SEL_K, SEL_LEN, SEL_H, jnp.float32, SEL_LAYER, spec
@@ -313,7 +348,7 @@ def jax_selection():
                 c,
             )
             pos = lengths + SEL_STEPS - 1
-            out[name] = selection.select_pages(sparse, c, q, pos, SEL_PS, SEL_LEN // SEL_PS)
+            out[name] = selection.select_pages(sparse_spec, c, q, pos, SEL_PS, SEL_LEN // SEL_PS)
         return out
 
     return jax.device_get(jax.jit(run)(k_prompt, k_steps, q, jnp.asarray(SEL_LENGTHS)))
@@ -412,7 +447,7 @@ def test_local_and_dense_layers_ignore_pages_and_have_no_summaries():
     # A record that reads only page 0 at every query position.
     ids = np.full((1, t, 2, 3), NO_PAGE, np.int32)
     ids[..., 0] = 0
-    pages = (jnp.asarray(ids), jnp.ones((1, t), bool))
+    pages = selection.PageRecord(jnp.asarray(ids), jnp.ones((1, t), bool))
 
     ok = np.zeros((1, 2, t, t), bool)  # only page 0 (keys 0..3) visible
     ok[..., :4] = True
@@ -440,6 +475,55 @@ def test_local_and_dense_layers_ignore_pages_and_have_no_summaries():
     for layer, has in [(local, False), (early_global, False), (sparse_global, True)]:
         c = kv_cache.init_layer_cache(2, 2, 16, 8, jnp.float32, layer, spec)
         assert ("ksum" in c) == has and set(c) >= {"k", "v"}
+
+
+def _twin_inputs(seed, t=80, page=8, budget=4, prefix=24):
+    """q/k/v and a record that keeps the record's contract: row b's prompt ends at
+    prompt_b <= prefix, its queries in [prompt_b, end_b - 1) are sparse and read the
+    current page, a random set of earlier pages and NO_PAGE slots; the rest of the row
+    (the tail, end_b - 1 on) holds random junk page ids."""
+    rng = np.random.default_rng(seed)
+    b, n, kv, h, num_pages = 3, 4, 2, 8, t // page
+    prompt, end = np.array([prefix, 5, 13]), np.array([t, 61, 40])
+    ids = rng.integers(-1, num_pages, (b, t, kv, budget))  # the tail's junk
+    for row in range(b):
+        for i in range(prompt[row], end[row] - 1):
+            cur = i // page
+            for k in range(kv):
+                others = rng.permutation(cur)[: rng.integers(0, budget)]
+                chosen = np.concatenate([[cur], others])
+                ids[row, i, k] = np.pad(chosen, (0, budget - len(chosen)), constant_values=-1)
+    pos = np.arange(t)[None]
+    sq = (pos >= prompt[:, None]) & (pos < end[:, None] - 1)
+    q, k, v = (jnp.asarray(rng.normal(size=(b, t, m, h)), jnp.float32) for m in (n, kv, kv))
+    used = jnp.asarray(pos < end[:, None] - 1, jnp.float32)  # queries whose output is used
+    return q, k, v, jnp.asarray(ids, jnp.int32), jnp.asarray(sq), used
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_twin_attention_equals_full_mask_path(softcap):
+    """sparse.sequence_attention with the prompt buffer as dense_prefix (queries past it as
+    vmapped decode steps over their pages, no [T, T] mask) equals the full masked path
+    (dense_prefix=None: allowed_key_mask over the whole sequence) on every used query, in
+    outputs and in the gradients of q, k and v (f32, 1e-5)."""
+    q, k, v, ids, sq, used = _twin_inputs(0)
+    layer = LayerInfo(index=1, window=None, softcap=softcap, scale=0.4)
+    full = selection.PageRecord(ids, sq, None)
+    split = selection.PageRecord(ids, sq, 24)
+
+    def loss(record):
+        out = lambda q, k, v: sparse.sequence_attention(q, k, v, layer, record, 8)
+        return lambda q, k, v: jnp.sum(jnp.sin(out(q, k, v)) * used[:, :, None, None])
+
+    a = sparse.sequence_attention(q, k, v, layer, split, 8) * used[:, :, None, None]
+    b = sparse.sequence_attention(q, k, v, layer, full, 8) * used[:, :, None, None]
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+    dense_out = dense.sequence_attention(q, k, v, layer) * used[:, :, None, None]
+    assert np.abs(np.asarray(a - dense_out)).max() > 1e-2  # the pages do restrict
+    g_split = jax.grad(loss(split), argnums=(0, 1, 2))(q, k, v)
+    g_full = jax.grad(loss(full), argnums=(0, 1, 2))(q, k, v)
+    for x, y in zip(g_split, g_full):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5, rtol=0)
 
 
 def test_allowed_key_mask_hand_example():

@@ -53,29 +53,25 @@ def attend_sequence(
     """Causal attention of a right-padded sequence batch over itself.
 
     pages: None (dense: training, prefill) or this layer's decode record
-    (page_ids_BxTxKxP, sparse_query_BxT) for the teacher-forced sparse forward; it only
-    applies to the spec's sparse layers.
+    (selection.PageRecord) for the teacher-forced sparse forward; it only applies to the
+    spec's sparse layers.
     """
-    allowed = None
-    if pages is not None and spec.is_sparse_layer(layer):
-        page_ids, sparse_query = pages
-        if resolve_impl(spec.impl) == "pallas_tpu":
-            from pallas_kernels import sparse_train
+    if pages is None or not spec.is_sparse_layer(layer):
+        return dense.sequence_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer)
+    if resolve_impl(spec.impl) == "pallas_tpu":
+        from pallas_kernels import sparse_train
 
-            return sparse_train.sparse_sequence_attention(
-                q_BxTxNxH,
-                k_BxTxKxH,
-                v_BxTxKxH,
-                layer,
-                page_ids,
-                sparse_query,
-                spec.page_size,
-                interpret=interpret_mode(),
-            )
-        allowed = selection.allowed_key_mask(
-            page_ids, sparse_query, q_BxTxNxH.shape[1], spec.page_size
+        return sparse_train.sparse_sequence_attention(
+            q_BxTxNxH,
+            k_BxTxKxH,
+            v_BxTxKxH,
+            layer,
+            pages.page_ids,
+            pages.sparse_query,
+            spec.page_size,
+            interpret=interpret_mode(),
         )
-    return dense.sequence_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer, allowed)
+    return sparse.sequence_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer, pages, spec.page_size)
 
 
 def sparse_decode(

@@ -33,36 +33,68 @@ def _masked_softmax(logits, ok):
     return jax.nn.softmax(logits, axis=-1)
 
 
+CAUSAL_BLOCK = 128  # queries per block of the causal-skip path
+
+
 def sequence_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer: LayerInfo, allowed_BxKxTxT=None):
     """Causal attention of a whole sequence over itself (training and prefill).
 
-    allowed_BxKxTxT: optional extra per-KV-head mask (block-sparse teacher forcing).
-    Sliding-window layers over sequences of at least 4 windows are computed in bands
-    (`_banded_local_attention`, [T, 2W] scores instead of [T, T]), the same result up to
-    float rounding.
+    allowed_BxKxTxT: optional extra per-KV-head mask (the block-sparse twin's prompt block,
+    sparse.sequence_attention). Without it, sliding-window layers over sequences of at least
+    4 windows are computed in bands (`_banded_local_attention`, [T, 2W] scores instead of
+    [T, T]) and sequences of at least 2 blocks in causal blocks (`_causal_block_attention`,
+    the fully masked blocks above the diagonal skipped): the same result up to float
+    rounding.
     """
     t = q_BxTxNxH.shape[1]
-    if allowed_BxKxTxT is None and layer.window is not None and t >= 4 * layer.window:
-        return _banded_local_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer)
+    if allowed_BxKxTxT is None:
+        if layer.window is not None and t >= 4 * layer.window:
+            return _banded_local_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer)
+        if t >= 2 * CAUSAL_BLOCK:
+            return _causal_block_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer)
     return _full_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer, allowed_BxKxTxT)
 
 
 def _full_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer: LayerInfo, allowed_BxKxTxT=None):
     """sequence_attention over the full [T, T] score matrix, masked."""
-    b, t, n, h = q_BxTxNxH.shape
-    kv = k_BxTxKxH.shape[2]
-    q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, kv, n // kv, h) * layer.scale
+    return _attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer, 0, 0, allowed_BxKxTxT)
+
+
+def _attend(
+    q_BxTqxNxH, k_BxTkxKxH, v_BxTkxKxH, layer: LayerInfo, q_start: int, k_start: int, allowed=None
+):
+    """Queries at positions q_start + [0, Tq) over keys at k_start + [0, Tk), with the
+    causal (and window) mask and the optional allowed_BxKxTqxTk mask."""
+    b, tq, n, h = q_BxTqxNxH.shape
+    tk, kv = k_BxTkxKxH.shape[1], k_BxTkxKxH.shape[2]
+    q_BxTxKxGxH = q_BxTqxNxH.reshape(b, tq, kv, n // kv, h) * layer.scale
     logits = jnp.einsum(
-        "btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxTxKxH, preferred_element_type=jnp.float32
+        "btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxTkxKxH, preferred_element_type=jnp.float32
     )
     logits = softcap(logits, layer.softcap)
-    pos = jnp.arange(t)
-    ok = visible_mask(pos[:, None], pos[None, :], layer.window)[None, None, None]
-    if allowed_BxKxTxT is not None:
-        ok = ok & allowed_BxKxTxT[:, :, None]
-    probs = _masked_softmax(logits, ok).astype(v_BxTxKxH.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxTxKxH)
-    return out.reshape(b, t, n, h)
+    q_pos, k_pos = q_start + jnp.arange(tq), k_start + jnp.arange(tk)
+    ok = visible_mask(q_pos[:, None], k_pos[None, :], layer.window)[None, None, None]
+    if allowed is not None:
+        ok = ok & allowed[:, :, None]
+    probs = _masked_softmax(logits, ok).astype(v_BxTkxKxH.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxTkxKxH)
+    return out.reshape(b, tq, n, h)
+
+
+def _causal_block_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer: LayerInfo):
+    """Causal attention in blocks of CAUSAL_BLOCK queries, each over the keys from the
+    first one its window can see to its last query: the key blocks above the diagonal,
+    fully masked, are never computed ((n + 1) / 2n of the [T, T] work for n blocks,
+    0.56 at T = 1008). Unrolled: one pair of products per block."""
+    t, w = q_BxTxNxH.shape[1], layer.window
+    outs = []
+    for s in range(0, t, CAUSAL_BLOCK):
+        e = min(s + CAUSAL_BLOCK, t)
+        k0 = 0 if w is None else max(0, s - w + 1)
+        outs.append(
+            _attend(q_BxTxNxH[:, s:e], k_BxTxKxH[:, k0:e], v_BxTxKxH[:, k0:e], layer, s, k0)
+        )
+    return jnp.concatenate(outs, axis=1)
 
 
 def _banded_local_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer: LayerInfo):

@@ -16,12 +16,38 @@ recent ones (the current, possibly partial page among them). The budget counts t
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from dsparse_jax.attention.spec import SparseSpec
 
 NO_PAGE = -1  # padding in page-id arrays (fewer valid pages than slots)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["page_ids", "sparse_query"],
+    meta_fields=["dense_prefix"],
+)
+@dataclasses.dataclass(frozen=True)
+class PageRecord:
+    """One sparse layer's decode record, what the teacher-forced twin replays.
+
+    page_ids: int32 [B, T, K, P], the pages read by the decode step whose query sits at t.
+    sparse_query: bool [B, T], the positions whose query ran as a sparse decode step;
+      the others (the prompt, as in the dense prefill) see every page.
+    dense_prefix: static; every query at a position >= dense_prefix is sparse or past the
+      sequence's end (its output is never used): the sampler's prompt buffer width. The
+      twin then attends densely only within the prefix (see sparse.sequence_attention).
+      None: unknown, the whole sequence is treated as a prefix.
+    """
+
+    page_ids: jax.Array
+    sparse_query: jax.Array
+    dense_prefix: int | None = None
 
 
 # ----------------------------------------------------------------------------- summaries

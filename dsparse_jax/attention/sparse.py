@@ -1,7 +1,10 @@
-"""Plain-JAX block-sparse decode attention: gather the selected pages, attend to them.
+"""Plain-JAX block-sparse attention: gather the selected pages, attend to them.
 
-The reference for the Pallas/Triton kernels. Reads only len(page_ids) pages of the cache
-per (sequence, KV head), so its cost follows the budget, not the context length.
+sparse_decode_attention is one decode step; sequence_attention is its teacher-forced
+twin (the same step at every decode position of a sequence, on the recorded pages). The
+references for the Pallas/Triton kernels. They read only len(page_ids) pages of the
+cache per (sequence, KV head) and query, so their cost follows the budget, not the
+context length.
 """
 
 from __future__ import annotations
@@ -9,8 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsparse_jax.attention import dense, selection
 from dsparse_jax.attention.dense import MASK_VALUE, softcap
-from dsparse_jax.attention.selection import NO_PAGE
+from dsparse_jax.attention.selection import NO_PAGE, PageRecord
 from dsparse_jax.attention.spec import LayerInfo
 
 
@@ -73,3 +77,39 @@ def sparse_decode_attention(
     probs = jax.nn.softmax(logits, axis=-1).astype(v_BxKxSxH.dtype)
     out = jnp.einsum("bkgt,bkth->bkgh", probs, v_BxKxTxH)
     return out.reshape(b, n, h)
+
+
+def sequence_attention(
+    q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer: LayerInfo, record: PageRecord, page_size: int
+):
+    """The teacher-forced twin of sparse decode: causal attention of a sequence in which
+    every query flagged in record.sparse_query sees only the keys of its recorded pages.
+
+    Queries before record.dense_prefix (the prompt buffer) run as one masked block over
+    the prefix's keys (selection.allowed_key_mask: the prompt's own dense attention, plus
+    any short-prompt row's first decode steps). Every later query is, by the record's
+    contract, a decode step (or past the end): it runs as exactly that decode step,
+    sparse_decode_attention over its P recorded pages, vmapped over positions. Memory and
+    work past the prefix are O(T * P * page_size) per row and KV head, never [T, T].
+    """
+    t = q_BxTxNxH.shape[1]
+    w = t if record.dense_prefix is None else min(t, record.dense_prefix)
+    ids_BxTxKxP, sparse_BxT = record.page_ids, record.sparse_query
+    allowed = selection.allowed_key_mask(ids_BxTxKxP[:, :w], sparse_BxT[:, :w], w, page_size)
+    head = dense.sequence_attention(
+        q_BxTxNxH[:, :w], k_BxTxKxH[:, :w], v_BxTxKxH[:, :w], layer, allowed
+    )
+    if w == t:
+        return head
+    pad = ((0, 0), (0, 0), (0, -t % page_size), (0, 0))
+    k_BxKxSxH = jnp.pad(k_BxTxKxH.transpose(0, 2, 1, 3), pad)
+    v_BxKxSxH = jnp.pad(v_BxTxKxH.transpose(0, 2, 1, 3), pad)
+    b = q_BxTxNxH.shape[0]
+    pos_TxB = jnp.broadcast_to(jnp.arange(w, t, dtype=jnp.int32)[:, None], (t - w, b))
+    step = lambda q_BxNxH, pos_B, ids_BxKxP: sparse_decode_attention(
+        q_BxNxH, k_BxKxSxH, v_BxKxSxH, pos_B, ids_BxKxP, layer, page_size
+    )
+    tail = jax.vmap(step, in_axes=(1, 0, 1), out_axes=1)(
+        q_BxTxNxH[:, w:], pos_TxB, ids_BxTxKxP[:, w:]
+    )
+    return jnp.concatenate([head, tail], axis=1)

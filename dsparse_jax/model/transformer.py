@@ -75,6 +75,19 @@ def apply_rope(x_BxTxNxH, pos_BxT, base: float, scale: float = 1.0):
     return out.astype(x_BxTxNxH.dtype)
 
 
+def layer_info(cfg: ModelConfig, index: int) -> LayerInfo:
+    """What attention needs to know about layer `index` of a model."""
+    return LayerInfo(
+        index=index, window=cfg.layer_window(index), softcap=cfg.attn_softcap, scale=cfg.scale
+    )
+
+
+def sparse_layers(cfg: ModelConfig, spec: AttentionSpec) -> list[int]:
+    """The layers whose decode is block-sparse under `spec`: the global layers at or past
+    spec.sparse.dense_layers (sliding-window layers never are)."""
+    return [i for i in range(cfg.num_layers) if spec.is_sparse_layer(layer_info(cfg, i))]
+
+
 class RMSNorm(nnx.Module):
     """RMSNorm with Gemma's (1 + scale) convention; scale starts at zero."""
 
@@ -105,9 +118,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(h, cfg.norm_eps, pd)
         self.qk_norm = cfg.qk_norm
         self.rope_base, self.rope_scale = cfg.layer_rope(index)
-        self.info = LayerInfo(
-            index=index, window=cfg.layer_window(index), softcap=cfg.attn_softcap, scale=cfg.scale
-        )
+        self.info = layer_info(cfg, index)
 
     def _qkv(self, x_BxTxD, pos_BxT, lora, lora_scale):
         get = (lambda name: None) if lora is None else lora.get
@@ -267,7 +278,7 @@ class Transformer(nnx.Module):
     ):
         """Teacher-forced logits [B, T, V] (f32).
 
-        pages: optional {layer: (page_ids_BxTxKxP, sparse_query_BxT)} decode record that makes
+        pages: optional {layer: selection.PageRecord} decode record (Rollout.pages()) that makes
         the spec's sparse layers attend exactly where the sampler did.
         """
         x, _, _ = self._run(

@@ -322,7 +322,7 @@ class MeshPlan:
 
     def local_rollout(self, rollout):
         """This process's rows of a Rollout's [B, ...] arrays, as numpy (for grading)."""
-        return rollout._replace(
+        return rollout.replace(
             tokens=self.local_rows(rollout.tokens),
             prompt_lengths=self.local_rows(rollout.prompt_lengths),
             completion_lengths=self.local_rows(rollout.completion_lengths),

@@ -20,7 +20,8 @@ recompile; the static settings (SamplingConfig, AttentionSpec) do.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,9 @@ import numpy as np
 from flax import nnx
 
 from dsparse_jax.attention import cache as kv_cache
+from dsparse_jax.attention.selection import PageRecord
 from dsparse_jax.attention.spec import AttentionSpec
+from dsparse_jax.model import transformer
 from dsparse_jax.parallel import sharding
 
 
@@ -63,8 +66,24 @@ class SamplingConfig:
             raise ValueError("SamplingConfig.grow_buffer_from must be >= 0 (0: one fixed buffer)")
 
 
-class Rollout(NamedTuple):
-    """What a rollout returns; every [B, S] array is aligned with `tokens`."""
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[
+        "tokens",
+        "prompt_lengths",
+        "completion_lengths",
+        "completion_mask",
+        "logprobs",
+        "page_ids",
+        "top_logprobs",
+    ],
+    meta_fields=["prompt_width"],
+)
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """What a rollout returns; every [B, S] array is aligned with `tokens`. A pytree whose
+    leaves are the arrays; prompt_width (static) is the prompt buffer the rollout was
+    sampled from: every completion starts before it (0: unknown)."""
 
     tokens: jax.Array  # int32 [B, S]
     prompt_lengths: jax.Array  # int32 [B]
@@ -73,10 +92,14 @@ class Rollout(NamedTuple):
     logprobs: jax.Array  # f32 [B, S], log-prob of each completion token (0 elsewhere)
     page_ids: dict  # {sparse layer: int32 [B, S, K, P]}: pages read by the query at s
     top_logprobs: Any = None  # (values f32 [B, S, k], ids int32 [B, S, k]) or None
+    prompt_width: int = 0
 
     @property
     def lengths(self):
         return self.prompt_lengths + self.completion_lengths
+
+    def replace(self, **fields) -> "Rollout":
+        return dataclasses.replace(self, **fields)
 
     def sparse_query(self):
         """bool [B, S]: the positions whose query ran as a sparse decode step."""
@@ -88,7 +111,8 @@ class Rollout(NamedTuple):
         if not self.page_ids:
             return None
         sq = self.sparse_query()
-        return {layer: (ids, sq) for layer, ids in self.page_ids.items()}
+        prefix = self.prompt_width or None
+        return {layer: PageRecord(ids, sq, prefix) for layer, ids in self.page_ids.items()}
 
 
 def truncate_logits(logits_BxV, top_k: int, top_p: float):
@@ -106,15 +130,26 @@ def truncate_logits(logits_BxV, top_k: int, top_p: float):
     return logits_BxV
 
 
+def _scaled_logits(logits_BxV, cfg: SamplingConfig):
+    """The logits a token is drawn from: temperature and truncation (greedy: unchanged)."""
+    if cfg.temperature == 0.0:
+        return logits_BxV
+    return truncate_logits(logits_BxV / cfg.temperature, cfg.top_k, cfg.top_p)
+
+
+def sampling_logprobs(logits_BxV, cfg: SamplingConfig):
+    """Log-probs [B, V] of the distribution a token is drawn from (see the module doc)."""
+    return jax.nn.log_softmax(_scaled_logits(logits_BxV, cfg), axis=-1)
+
+
 def sample_token(logits_BxV, key, cfg: SamplingConfig):
     """(token_B, logprob_B of that token under the sampling distribution)."""
+    scaled = _scaled_logits(logits_BxV, cfg)
     if cfg.temperature == 0.0:
         tok = jnp.argmax(logits_BxV, axis=-1)
-        logp = jax.nn.log_softmax(logits_BxV, axis=-1)
     else:
-        scaled = truncate_logits(logits_BxV / cfg.temperature, cfg.top_k, cfg.top_p)
         tok = jax.random.categorical(key, scaled, axis=-1)
-        logp = jax.nn.log_softmax(scaled, axis=-1)
+    logp = jax.nn.log_softmax(scaled, axis=-1)
     return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
 
@@ -164,23 +199,38 @@ class Sampler:
         spec: AttentionSpec = AttentionSpec(),
         lora=None,
         lora_scale: float = 1.0,
+        forced_BxS=None,
     ):
-        """Returns a Rollout with B * samples_per_prompt rows (a prompt's samples contiguous)."""
+        """Returns a Rollout with B * samples_per_prompt rows (a prompt's samples contiguous).
+
+        forced_BxS: optional tokens to replay instead of sampling (a Rollout's `tokens`,
+        one row per prompt, samples_per_prompt 1): every decode step runs as when sampling
+        (the same page selection, recorded) but feeds the forced token, and `logprobs`
+        holds its log-prob under this policy's sampling distribution. Rows end at the
+        forced EOS or at max_new_tokens.
+        """
         lengths = jnp.asarray(prompt_lengths_B, jnp.int32)
         if prompts_BxL.shape[0] != lengths.shape[0]:
             raise ValueError("prompts and prompt_lengths disagree on the batch size")
+        if forced_BxS is not None and (
+            cfg.samples_per_prompt != 1 or forced_BxS.shape[0] != lengths.shape[0]
+        ):
+            raise ValueError("forced tokens need one row per prompt and samples_per_prompt=1")
         return self._jitted(
             state,
             jnp.asarray(prompts_BxL, jnp.int32),
             lengths,
             key,
             lora,
+            None if forced_BxS is None else jnp.asarray(forced_BxS, jnp.int32),
             cfg=cfg,
             spec=spec,
             lora_scale=lora_scale,
         )
 
-    def _sample(self, state, prompts_BxL, prompt_len_B, key, lora, *, cfg, spec, lora_scale):
+    def _sample(
+        self, state, prompts_BxL, prompt_len_B, key, lora, forced_BxS=None, *, cfg, spec, lora_scale
+    ):
         model = nnx.merge(self.graphdef, state)
         if model.merge_lora(lora, lora_scale):  # theta + phi once, not at every decode step
             lora = None
@@ -203,9 +253,7 @@ class Sampler:
         tokens = jnp.full((b, s), cfg.pad_id, jnp.int32).at[:, :l].set(prompts_BxL)
         tokens = jnp.where(jnp.arange(s)[None] < prompt_len_B[:, None], tokens, cfg.pad_id)
         logprobs = jnp.zeros((b, s), jnp.float32)
-        sparse_layers = [
-            blk.attn.info.index for blk in model.layers if spec.is_sparse_layer(blk.attn.info)
-        ]
+        sparse_layers = transformer.sparse_layers(model.cfg, spec)
         kv, p = model.cfg.num_kv_heads, spec.sparse.max_pages if spec.sparse else 0
         page_ids = {i: jnp.full((b, s, kv, p), -1, jnp.int32) for i in sparse_layers}
         k_top = cfg.top_logprobs
@@ -218,7 +266,12 @@ class Sampler:
         def emit(carry, logits_BxV, key, write_pos_B):
             """Samples one token per row and writes it (and its log-prob) at write_pos_B."""
             tokens, logprobs, done, ncomp, top = carry
-            tok, lp = sample_token(logits_BxV, key, cfg)
+            if forced_BxS is None:
+                tok, lp = sample_token(logits_BxV, key, cfg)
+            else:  # replay: the forced token, scored by this policy
+                tok = forced_BxS[rows, jnp.minimum(write_pos_B, forced_BxS.shape[1] - 1)]
+                lp = jnp.take_along_axis(sampling_logprobs(logits_BxV, cfg), tok[:, None], -1)
+                lp = lp[:, 0]
             tok = jnp.where(done, cfg.pad_id, tok)
             lp = jnp.where(done, 0.0, lp)
             tokens = tokens.at[rows, write_pos_B].set(tok)
@@ -275,6 +328,7 @@ class Sampler:
             logprobs=logprobs,
             page_ids=page_ids,
             top_logprobs=top,
+            prompt_width=l,
         )
 
 
