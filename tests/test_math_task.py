@@ -1,5 +1,6 @@
 """Variable-chain task: determinism, splits, correctness, lengths, tokens, rewards."""
 
+import dataclasses
 import re
 
 import numpy as np
@@ -174,3 +175,109 @@ def test_rewards_never_raise():
     assert r.dtype == np.float32 and r.tolist() == [1.0, 0.25, 0.0]
     with pytest.raises(ValueError):
         batch_rewards(["answer: 1"], ["1", "2"])
+
+
+LONG = mt.ChainTaskConfig(num_vars=26, num_terms=56, name_digits=0, repeat_terms=True, agg_every=8)
+
+
+def solve_long(prompt: str, cfg: mt.ChainTaskConfig) -> tuple[list[str], str]:
+    """Independent solver of the long-chain variant: repeated terms, a vote line after
+    every agg_every-th term (1 if more '+' than '-' so far, added to the total)."""
+    defs, terms = prompt.split("\n")[0][6:].split(" "), prompt.split("\n")[1][5:].split(" ")
+    values = {d[:-1]: int(d[-1]) for d in defs}
+    total, plus, minus, lines = 0, 0, 0, []
+    for j, t in enumerate(terms, start=1):
+        v = values[t[1:]]
+        total = (total + (v if t[0] == "+" else -v)) % cfg.modulus
+        plus, minus = plus + (t[0] == "+"), minus + (t[0] == "-")
+        lines.append(f"{t}{v} t={total}")
+        if j % cfg.agg_every == 0:
+            total = (total + (plus > minus)) % cfg.modulus
+            lines.append(f"vote={int(plus > minus)} t={total}")
+    return lines, str(total)
+
+
+def test_long_chain_variant():
+    """Repeated terms and vote lines: the solutions match an independent solver, the
+    length bound is exact (56 terms: 534 tokens), terms repeat, both votes occur."""
+    repeats, votes = 0, set()
+    for p in mt.problems(LONG, "eval", 0, 30, seed=1):
+        lines, answer = solve_long(p.prompt, LONG)
+        assert p.solution == "\n".join(lines) + "\nanswer: " + answer and p.answer == answer
+        assert len(p.prompt) == mt.max_prompt_chars(LONG)
+        assert len(p.solution) == mt.max_solution_chars(LONG) == 534
+        terms = p.prompt.split("\n")[1].split(" ")[1:]
+        repeats += len(terms) - len({t[1:] for t in terms})
+        votes |= {line[5] for line in lines if line.startswith("vote=")}
+        assert chain_reward(p.solution, p.answer) == 1.0
+    assert repeats > 0 and votes == {"0", "1"}
+    # The length knob: 200 terms is a 2k-token completion.
+    assert mt.max_solution_chars(dataclasses.replace(LONG, num_terms=200)) >= 1800
+    with pytest.raises(ValueError, match="num_terms"):
+        mt.ChainTaskConfig(num_vars=6, num_terms=7)  # without repeat_terms
+    with pytest.raises(ValueError, match="agg_every"):
+        mt.ChainTaskConfig(agg_every=-1)
+
+
+def test_finite_training_set_repeats_in_epochs():
+    cfg = dataclasses.replace(LONG, train_size=5)
+    a = mt.problems(cfg, "train", 0, 5, seed=0)
+    assert mt.problems(cfg, "train", 5, 5, seed=0) == a  # epoch 2 = epoch 1
+    assert a == mt.problems(LONG, "train", 0, 5, seed=0)  # the first N of the stream
+    assert mt.problems(cfg, "eval", 5, 5, seed=0) == mt.problems(LONG, "eval", 5, 5, seed=0)
+    with pytest.raises(ValueError, match="train_size"):
+        mt.ChainTaskConfig(train_size=-1)
+
+
+def solve_names(prompt: str, cfg: mt.ChainTaskConfig) -> tuple[list[str], str]:
+    """Independent solver of order="names": every variable once, in name order."""
+    defs = {d[:-2]: (d[-2], int(d[-1])) for d in prompt[len("vars: ") : -1].split(" ")}
+    order = sorted(defs, key=lambda n: (mt.NAME_LETTERS.index(n[0]), n[1:]))
+    total, lead, lines = 0, 0, []
+    for j, name in enumerate(order, start=1):
+        sign, v = defs[name]
+        total = (total + (v if sign == "+" else -v)) % cfg.modulus
+        lead += 1 if sign == "+" else -1
+        lines.append(f"{name}{sign}{v} t={total}")
+        if cfg.agg_every and j % cfg.agg_every == 0:
+            total = (total + (lead > 0)) % cfg.modulus
+            lines.append(f"vote={int(lead > 0)} t={total}")
+    return lines, str(total)
+
+
+def test_names_order_with_upper_case_names():
+    """order="names", letters=52 (the miniature's task): the solutions match an independent
+    solver, the definitions are shuffled (not in name order), the lengths are exact
+    (214-token prompts, 568-token solutions), both votes occur; the tokenizer adds A-Z
+    after the 26-letter ids."""
+    cfg = mt.ChainTaskConfig(
+        num_vars=52, num_terms=52, name_digits=0, letters=52, agg_every=4, order="names"
+    )
+    tok = mt.build_tokenizer(cfg, seed=0)
+    base = mt.build_tokenizer(mt.ChainTaskConfig(), seed=0)
+    assert tok.vocab_size == 72 and base.vocab_size == 46
+    assert [tok.id_to_piece(i) for i in range(45)] == [base.id_to_piece(i) for i in range(45)]
+    votes, minus_rates = set(), []
+    for p in mt.problems(cfg, "eval", 0, 20, seed=0):
+        lines, answer = solve_names(p.prompt, cfg)
+        assert p.solution == "\n".join(lines) + "\nanswer: " + answer and p.answer == answer
+        assert len(tok.encode(p.prompt + p.solution)) == len(p.prompt + p.solution)
+        assert len(p.prompt) == mt.max_prompt_chars(cfg) == 214
+        assert len(p.solution) == mt.max_solution_chars(cfg) == 568
+        names = [d[:-2] for d in p.prompt[6:-1].split(" ")]
+        assert sorted(names) == sorted(mt.NAME_LETTERS) and names != list(mt.NAME_LETTERS)
+        votes |= {line[5] for line in lines if line.startswith("vote=")}
+        minus_rates.append(p.prompt.count("-") / 52)
+    assert votes == {"0", "1"}
+    assert min(minus_rates) < 0.45 and max(minus_rates) > 0.55  # 0.3 or 0.7 per problem
+    # The length knob: two-token names, 200 terms is a 2.4k-token completion.
+    long = dataclasses.replace(cfg, num_vars=200, num_terms=200, name_digits=1)
+    lines, answer = solve_names(mt.make_problem(long, "train", 0, 0).prompt, long)
+    assert len("\n".join(lines)) + 10 == mt.max_solution_chars(long) >= 2048
+    for kw, field in [
+        ({"letters": 30}, "letters"),
+        ({"order": "alpha"}, "order"),
+        ({"order": "names", "num_vars": 5, "num_terms": 4}, "order"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            mt.ChainTaskConfig(**kw)

@@ -53,7 +53,7 @@ def defaults() -> ml_collections.ConfigDict:
     # keeps the preset's value (config.json records the resolved values). layer_pattern is
     # a comma list of global | local, repeated to num_layers (e.g. "local,global").
     c.model = ml_collections.ConfigDict()
-    c.model.preset = "tiny"  # tiny | gemma2_2b | gemma3_1b | gemma3_4b
+    c.model.preset = "tiny"  # tiny | mini | gemma2_2b | gemma3_1b | gemma3_4b
     for name, kind in MODEL_FIELDS.items():
         c.model[name] = ml_collections.FieldReference(None, field_type=kind)
     c.model.d_model = 128
@@ -94,6 +94,11 @@ def defaults() -> ml_collections.ConfigDict:
     c.task.num_vars = 8  # lookups are learned in ~300 SFT steps at 8 (16: not by 400)
     c.task.num_terms = 8  # solution length knob: 8 tokens per term (single-letter names)
     c.task.name_digits = 0  # variable names: a letter + this many digits (0: a-z only)
+    c.task.letters = 26  # name letters: 26 (a-z) | 52 (a-z, A-Z: single-token names)
+    c.task.repeat_terms = False  # terms drawn with replacement (num_terms > num_vars allowed)
+    c.task.agg_every = 0  # a vote line (soft aggregate of the signs) every N terms; 0: none
+    c.task.order = "sum"  # sum (a `sum:` line orders the terms) | names (every var, in name order)
+    c.task.train_size = 0  # 0: endless training stream; N: N problems, repeated in epochs
     c.task.format_reward = 0.0  # reward for a well-formed but wrong answer
 
     c.attention = ml_collections.ConfigDict()

@@ -144,9 +144,9 @@ def validate(c) -> None:
     ):
         _positive_int(c, f)
     _check(
-        c.task.num_terms <= c.task.num_vars,
+        c.task.num_terms <= c.task.num_vars or c.task.repeat_terms,
         "task.num_terms",
-        f"must be <= task.num_vars ({c.task.num_vars})",
+        f"must be <= task.num_vars ({c.task.num_vars}) unless task.repeat_terms",
     )
     _check(c.attention.impl in IMPLS, "attention.impl", f"must be one of {IMPLS}")
     for f in ("sft.learning_rate", "rl.learning_rate", "rl.max_grad_norm", "sft.max_grad_norm"):
@@ -157,6 +157,8 @@ def validate(c) -> None:
         "sft.max_consecutive_skips",
         "rl.max_consecutive_skips",
         "rl.grow_buffer_from",
+        "task.agg_every",
+        "task.train_size",
     ):
         _nonneg(c, f, integer=True)
     for f in ("sft.weight_decay", "rl.weight_decay", "lora.weight_decay"):
@@ -205,8 +207,7 @@ def validate(c) -> None:
 def _validate_shapes(c) -> None:
     """The task (synthetic chain or a dataset's widths), the model (preset + overrides;
     a checkpoint's shapes are checked when it is read), the KV cache, the mesh."""
-    from dsparse_jax.data import batches
-    from dsparse_jax.data.math_task import ChainTaskConfig
+    from dsparse_jax.data import batches, math_task
     from dsparse_jax.model.config import preset
 
     source = c.data.source if "data" in c else "synthetic:chain"
@@ -214,9 +215,7 @@ def _validate_shapes(c) -> None:
     if str(source).startswith("synthetic:"):
         t = c.task
         try:
-            task = ChainTaskConfig(
-                num_vars=t.num_vars, num_terms=t.num_terms, name_digits=t.name_digits
-            )
+            task = math_task.from_config(t)
         except ValueError as e:  # its messages start with the field's name
             raise ConfigError(f"config.task.{str(e).split(' ')[0]}: {e}") from None
         prompt, gen = batches.prompt_buffer(task), batches.completion_budget(task)

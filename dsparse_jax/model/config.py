@@ -111,6 +111,24 @@ def tiny(vocab_size: int = 64) -> ModelConfig:
     )
 
 
+def mini(vocab_size: int = 64) -> ModelConfig:
+    """A miniature of the paper's regime (Qwen3: all layers global, GQA): 6 global layers,
+    2 KV heads with 2 query heads each, ~1.6M parameters. With sparse.dense_layers=2, 4
+    layers x 2 KV heads choose their pages independently at every decode step."""
+    return ModelConfig(
+        vocab_size=vocab_size,
+        d_model=128,
+        num_layers=6,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        mlp_dim=512,
+        layer_pattern=("global",),
+        rope_base_global=10_000.0,
+        qk_norm=True,  # as Qwen3; no soft-capping (Qwen3 has none)
+    )
+
+
 def gemma2_2b() -> ModelConfig:
     return ModelConfig(
         vocab_size=256_000,
@@ -166,7 +184,13 @@ def gemma3_4b() -> ModelConfig:
     )
 
 
-PRESETS = {"tiny": tiny, "gemma2_2b": gemma2_2b, "gemma3_1b": gemma3_1b, "gemma3_4b": gemma3_4b}
+PRESETS = {
+    "tiny": tiny,
+    "mini": mini,
+    "gemma2_2b": gemma2_2b,
+    "gemma3_1b": gemma3_1b,
+    "gemma3_4b": gemma3_4b,
+}
 
 
 def preset(name: str, **overrides) -> ModelConfig:

@@ -19,7 +19,7 @@ from flax import nnx
 from dsparse_jax.attention.spec import AttentionSpec, SparseSpec
 from dsparse_jax.config import schema
 from dsparse_jax.config.validate import ConfigError, field_error
-from dsparse_jax.data import batches, sources
+from dsparse_jax.data import batches, math_task, sources
 from dsparse_jax.data.gemma_tokenizer import GemmaTokenizer
 from dsparse_jax.data.math_task import ChainTaskConfig, build_tokenizer
 from dsparse_jax.data.tokenizer import Tokenizer
@@ -83,11 +83,7 @@ def _data_task(config):
     if scheme == "synthetic":
         if target != "chain":
             raise ConfigError(f"config.data.source: unknown synthetic task {target!r} (chain)")
-        task = ChainTaskConfig(
-            num_vars=config.task.num_vars,
-            num_terms=config.task.num_terms,
-            name_digits=config.task.name_digits,
-        )
+        task = math_task.from_config(config.task)
         return task, build_tokenizer(task, config.seed)
     if config.sft.get("enabled", True):
         raise ConfigError(

@@ -1,0 +1,402 @@
+"""Mechanism diagnostics of sparse rollouts on the chain task (docs/results.md).
+
+  python launch/mechanism.py lookups --config=configs/mini_longchain.py \\
+      --workdir=runs/mini_longchain --budgets=6,8,12
+  python launch/mechanism.py distill --config=configs/mini_longchain.py \\
+      --workdir=runs/mini_longchain --budget=8 --kls=k3,exact_reverse --lrs=1e-3,1e-2 \\
+      --steps=100
+
+Both start from the run's SFT warm start (<workdir>/sft, made by
+`launch/train.py --sft_only`) and write JSON to --out (default <workdir>/mechanism/).
+
+lookups (a): the naive sparse actor (theta, no adapter) samples rl.samples_per_prompt
+  completions of --prompts RL prompts per budget. For every lookup step (the value token
+  of a term line) and every sparse layer and KV head: was the page holding the
+  definition read? The exact per-token KL(sparse || dense) and acceptance alpha of the
+  sampled token, split by hit and miss, at vote steps (a soft aggregate of every earlier
+  sign) and at all other tokens (report/mechanism.py).
+distill (b, c): theta frozen, phi (LoRA, zero at the start) trained with
+  distill.loss=kl_only for --steps steps per (KL kind, LoRA learning rate) on a fixed
+  replay of --replay recorded rollout batches of the naive sparse actor (tokens and
+  pages). Every --every steps: the exact KL in-sample (the twin with phi on the replay's
+  own recorded pages) and on fresh rollouts of the sparse + phi actor. At the end (c):
+  the fresh rollouts replayed through the phi-less actor's decode loop (forced tokens),
+  giving the pages theta alone would have read on the same prefixes: the overlap of the
+  two page sets, the lookup hit rates of each, and the KL of the phi actor on theta's
+  pages vs on its own.
+"""
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from dsparse_jax.config import cli  # noqa: E402
+from dsparse_jax.errors import UserError  # noqa: E402
+
+DEFAULT_CONFIG = "configs/mini_longchain.py"
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+class Lab:
+    """The run's context, SFT weights and the jitted measurements, built once."""
+
+    def __init__(self, config, workdir: str):
+        import jax
+
+        from dsparse_jax.config.validate import validate
+        from dsparse_jax.report import mechanism
+        from dsparse_jax.report.metrics import MetricsWriter
+        from dsparse_jax.train import context, distill, sft, steps
+
+        if not os.path.exists(os.path.join(workdir, "sft", "DONE.json")):
+            raise UserError(
+                f"--workdir: {workdir} has no finished SFT warm start (sft/DONE.json); run "
+                f"launch/train.py --config=... --workdir={workdir} --sft_only first"
+            )
+        validate(config)
+        self.config, self.ctx = config, context.build(config)
+        writer = MetricsWriter(workdir, tensorboard=False)
+        try:
+            self.params, self.sft_accuracy = sft.warm_start(self.ctx, workdir, writer)
+        finally:
+            writer.close()
+        self.chars = mechanism.token_chars(self.ctx.tok)
+        t = config.rl.temperature
+        g = self.ctx.graphdef
+
+        def per_token(params, lora, tokens, pages, *, twin_spec, lora_scale):
+            """Exact per-token alpha and KL(sparse || dense) of the rollout's tokens."""
+            _, _, dense_logits = steps.token_logprobs(
+                g, params, tokens, temperature=t, spec=self.ctx.spec, with_logits=True
+            )
+            _, _, twin_logits = steps.token_logprobs(
+                g,
+                params,
+                tokens,
+                temperature=t,
+                spec=twin_spec,
+                pages=pages,
+                lora=lora,
+                lora_scale=lora_scale,
+                with_logits=True,
+            )
+            return distill.token_mismatch(dense_logits, twin_logits)
+
+        self.per_token = jax.jit(per_token, static_argnames=("twin_spec", "lora_scale"))
+
+    def spec(self, budget: int):
+        import dataclasses
+
+        sp = dataclasses.replace(self.ctx.rollout_spec.sparse, budget=budget)
+        return dataclasses.replace(self.ctx.rollout_spec, sparse=sp)
+
+    def prompts(self, index: int, count: int):
+        from dsparse_jax.data import batches
+        from dsparse_jax.data.sources import problems
+        from dsparse_jax.train.rl_state import RL_DATA_OFFSET
+
+        probs = problems(self.ctx.task, "train", RL_DATA_OFFSET + index, count, self.config.seed)
+        pr, ln = batches.encode_prompts(self.ctx.tok, probs, batches.prompt_buffer(self.ctx.task))
+        return probs, pr, ln
+
+    def sampling(self, n: int):
+        from dsparse_jax.data import batches
+        from dsparse_jax.sampling.sampler import SamplingConfig
+
+        return SamplingConfig(
+            max_new_tokens=batches.completion_budget(self.ctx.task),
+            eos_id=self.ctx.tok.eos_id,
+            pad_id=self.ctx.tok.pad_id,
+            temperature=self.config.rl.temperature,
+            samples_per_prompt=n,
+        )
+
+    def rollout(self, spec, index: int, count: int, key, lora=None, lora_scale=1.0, forced=None):
+        """(problems, rollout) of `count` prompts x rl.samples_per_prompt (1 if forced)."""
+        import jax
+
+        probs, pr, ln = self.prompts(index, count)
+        n = 1 if forced is not None else self.config.rl.samples_per_prompt
+        if forced is not None:  # forced rows are already one per sample
+            pr, ln = pr.repeat(forced.shape[0] // count, 0), ln.repeat(forced.shape[0] // count)
+        r = self.ctx.sampler(
+            self.params, pr, ln, key, self.sampling(n), spec, lora, lora_scale, forced_BxS=forced
+        )
+        return probs, jax.device_get(r)
+
+    def analyse(self, r, spec, lora=None, lora_scale=1.0) -> tuple[dict, list, dict]:
+        """(summary, steps, hits) of a rollout: the KL/alpha splits by hit and miss."""
+        import numpy as np
+
+        from dsparse_jax.report import mechanism
+
+        tok = self.per_token(
+            self.params, lora, r.tokens, r.pages(), twin_spec=spec, lora_scale=lora_scale
+        )
+        kl, alpha = np.asarray(tok["kl_rev"]), np.asarray(tok["alpha"])
+        found = []
+        for b in range(r.tokens.shape[0]):
+            length = int(r.prompt_lengths[b] + r.completion_lengths[b])
+            text = mechanism.row_text(r.tokens[b], length, self.chars)
+            found += mechanism.find_steps(b, text, int(r.prompt_lengths[b]))
+        page_ids = {i: np.asarray(x) for i, x in r.page_ids.items()}
+        hit = mechanism.hits(found, page_ids, spec.page_size)
+        out = mechanism.summarize(found, hit, kl, alpha, np.asarray(r.completion_mask))
+        mask = np.asarray(r.completion_mask) > 0
+        out["kl_mean"] = float(kl[mask].mean())
+        out["alpha_mean"] = float(alpha[mask].mean())
+        return out, found, hit
+
+
+def cmd_lookups(lab: Lab, args) -> dict:
+    import jax
+    import numpy as np
+
+    from dsparse_jax.model.transformer import sparse_layers
+    from dsparse_jax.train.evaluation import score
+
+    rows = []
+    for budget in args.budgets:
+        spec = lab.spec(budget)
+        t = time.time()
+        probs, r = lab.rollout(spec, 0, args.prompts, jax.random.key(lab.config.seed + 21))
+        rewards, _ = score(lab.ctx.tok, r, probs, lab.config.task.format_reward)
+        out, _, _ = lab.analyse(r, spec)
+        out.update(budget=budget, reward=float(np.mean(rewards)), seconds=time.time() - t)
+        out["completion_tokens_mean"] = float(np.mean(r.completion_lengths))
+        print(f"[lookups] budget {budget}: " + _brief(out), flush=True)
+        rows.append(out)
+    return {
+        "sparse_layers": sparse_layers(lab.ctx.model_cfg, lab.spec(args.budgets[0])),
+        "kv_heads": lab.ctx.model_cfg.num_kv_heads,
+        "seq_pages": lab.ctx.seq_width // lab.ctx.spec.page_size,
+        "sft_greedy_accuracy": lab.sft_accuracy,
+        "prompts": args.prompts,
+        "samples_per_prompt": lab.config.rl.samples_per_prompt,
+        "rows": rows,
+    }
+
+
+def _brief(out: dict) -> str:
+    keys = (
+        "hit_rate_all",
+        "kl_mean",
+        "kl_lookup_all_hit",
+        "kl_lookup_any_miss",
+        "kl_vote",
+        "kl_other",
+        "correct_lookup_all_hit",
+        "correct_lookup_any_miss",
+        "reward",
+    )
+    return " ".join(f"{k} {_fmt(out.get(k))}" for k in keys if k in out)
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.4g}"
+
+
+def cmd_distill(lab: Lab, args) -> dict:
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from dsparse_jax.model.lora import init_lora
+    from dsparse_jax.train import distill, rl_state
+
+    spec = lab.spec(args.budget)
+    c = lab.config
+    replay = []
+    for i in range(args.replay):  # the naive sparse actor's rollouts, with their pages
+        _, r = lab.rollout(spec, i * args.prompts, args.prompts, jax.random.key(100 + i))
+        replay.append(
+            {
+                "tokens": r.tokens,
+                "mask": r.completion_mask,
+                "adv": np.zeros(r.tokens.shape[0], np.float32),
+                "rollout_logp": r.logprobs,
+                "pages": r.pages(),
+            }
+        )
+    fresh_index = args.replay * args.prompts  # fresh prompts: past the replay's
+    runs = []
+    for kl in args.kls:
+        for lr in args.lrs:
+            settings = distill.DistillSettings(
+                spec=spec,
+                lora_scale=lab.ctx.lora_cfg.scale,
+                temperature=c.rl.temperature,
+                loss="kl_only",
+                kl=kl,
+                kl_coef=1.0,
+                loss_agg=c.rl.loss_agg,
+                microbatches=max(1, replay[0]["tokens"].shape[0] // 16),  # 16 rows at once
+            )
+            lcfg = c.lora.copy_and_resolve_references()
+            lcfg.learning_rate = lr
+            tx = rl_state.optimizer_from(lcfg, total_steps=args.steps)
+            lora = init_lora(lab.ctx.model_cfg, lab.ctx.lora_cfg, jax.random.key(c.seed + 3))
+            opt = tx.init(lora)
+            if not settings.exact:  # k-estimators need the dense teacher's log-probs
+                for mb in replay:
+                    mb["teacher_logp"] = _dense_logp(lab, mb["tokens"])
+            curve, t0 = [], time.time()
+            for step in range(args.steps + 1):
+                if step % args.every == 0 or step == args.steps:
+                    point = _kl_point(lab, spec, lora, replay[0], fresh_index, args.prompts)
+                    point.update(step=step, seconds=time.time() - t0)
+                    curve.append(point)
+                    print(
+                        f"[distill] kl={kl} lr={lr:g} step {step}: "
+                        + " ".join(
+                            f"{k} {_fmt(point[k])}"
+                            for k in ("kl_in_sample", "kl_fresh", "hit_rate_fresh")
+                        ),
+                        flush=True,
+                    )
+                if step == args.steps:
+                    break
+                mb = replay[step % len(replay)]
+                lora, opt, _ = distill.phi_update(
+                    lora,
+                    opt,
+                    mb,
+                    lab.params,
+                    lab.params if settings.exact else None,
+                    graphdef=lab.ctx.graphdef,
+                    tx=tx,
+                    settings=settings,
+                )
+            runs.append(
+                {
+                    "kl": kl,
+                    "lr": lr,
+                    "curve": curve,
+                    "selection": _selection_effect(lab, spec, lora, fresh_index, args.prompts),
+                }
+            )
+            print(f"[distill] kl={kl} lr={lr:g} selection: {runs[-1]['selection']}", flush=True)
+    return {
+        "budget": args.budget,
+        "prompts": args.prompts,
+        "replay_batches": args.replay,
+        "steps": args.steps,
+        "runs": runs,
+        "settings": dataclasses.asdict(lab.ctx.lora_cfg),
+    }
+
+
+def _dense_logp(lab: Lab, tokens):
+    from dsparse_jax.train.steps import token_logprobs
+
+    logp, _ = token_logprobs(
+        lab.ctx.graphdef, lab.params, tokens, temperature=lab.config.rl.temperature
+    )
+    return logp
+
+
+def _kl_point(lab: Lab, spec, lora, replay_mb, fresh_index: int, prompts: int) -> dict:
+    """Exact KL(sparse + phi || dense): on the replay's first batch (its recorded pages)
+    and on fresh rollouts of the sparse + phi actor (their own pages)."""
+    import jax
+    import numpy as np
+
+    scale = lab.ctx.lora_cfg.scale
+    tok = lab.per_token(
+        lab.params,
+        lora,
+        replay_mb["tokens"],
+        replay_mb["pages"],
+        twin_spec=spec,
+        lora_scale=scale,
+    )
+    mask = np.asarray(replay_mb["mask"]) > 0
+    kl_in = float(np.asarray(tok["kl_rev"])[mask].mean())
+    key = jax.random.key(7)  # the same fresh prompts and key at every point
+    _, r = lab.rollout(spec, fresh_index, prompts, key, lora, scale)
+    out, _, _ = lab.analyse(r, spec, lora, scale)
+    return {
+        "kl_in_sample": kl_in,
+        "kl_fresh": out["kl_mean"],
+        "alpha_fresh": out["alpha_mean"],
+        "hit_rate_fresh": out["hit_rate_all"],
+        "kl_lookup_fresh": out.get("kl_lookup_all_hit"),
+    }
+
+
+def _selection_effect(lab: Lab, spec, lora, fresh_index: int, count: int) -> dict:
+    """(c): fresh rollouts of the phi actor, replayed through the phi-less actor's decode
+    loop: how much the page sets overlap, the lookup hit rates with each, and the phi
+    actor's exact KL on theta's pages vs on its own."""
+    import jax
+    import numpy as np
+
+    from dsparse_jax.report import mechanism
+
+    scale = lab.ctx.lora_cfg.scale
+    _, r_phi = lab.rollout(spec, fresh_index, count, jax.random.key(8), lora, scale)
+    _, r_theta = lab.rollout(
+        spec, fresh_index, count, jax.random.key(8), forced=np.asarray(r_phi.tokens)
+    )
+    assert np.array_equal(r_theta.tokens, r_phi.tokens)
+    mask = np.asarray(r_phi.completion_mask) > 0
+    overlap = []
+    for i, ids_phi in r_phi.page_ids.items():
+        a, b = np.asarray(ids_phi)[mask], np.asarray(r_theta.page_ids[i])[mask]  # [N, K, P]
+        same = (a[..., :, None] == b[..., None, :]).any(-1) & (a >= 0)
+        overlap.append(same.sum() / max((a >= 0).sum(), 1))
+    own, steps, hit_phi = lab.analyse(r_phi, spec, lora, scale)
+    theta_pages = r_phi.replace(page_ids=r_theta.page_ids)
+    on_theta, _, _ = lab.analyse(theta_pages, spec, lora, scale)
+    theta_ids = {i: np.asarray(x) for i, x in r_theta.page_ids.items()}
+    hit_theta = mechanism.hits(steps, theta_ids, spec.page_size)
+    all_hit = lambda h: float(np.mean(np.all([x.all(1) for x in h.values()], axis=0)))
+    return {
+        "page_overlap": float(np.mean(overlap)),
+        "hit_rate_phi_pages": all_hit(hit_phi),
+        "hit_rate_theta_pages": all_hit(hit_theta),
+        "kl_phi_on_own_pages": own["kl_mean"],
+        "kl_phi_on_theta_pages": on_theta["kl_mean"],
+    }
+
+
+def main(argv: list[str]) -> int:
+    path, overrides, rest = cli.split_config_args(argv)
+    p = cli.ArgumentParser(prog="mechanism.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("command", choices=("lookups", "distill"))
+    p.add_argument("--workdir", required=True, help="run directory with a finished SFT")
+    p.add_argument("--out", default=None, help="JSON output (default <workdir>/mechanism/)")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per rollout batch")
+    p.add_argument("--budgets", type=_ints, default=[6, 8, 12], help="lookups: budgets")
+    p.add_argument("--budget", type=int, default=8, help="distill: the actor's budget")
+    p.add_argument("--kls", type=lambda s: s.split(","), default=["k3", "exact_reverse"])
+    p.add_argument("--lrs", type=_floats, default=[1e-3, 1e-2], help="LoRA learning rates")
+    p.add_argument("--steps", type=int, default=100, help="phi steps per (kl, lr)")
+    p.add_argument("--every", type=int, default=20, help="steps between KL measurements")
+    p.add_argument("--replay", type=int, default=4, help="recorded rollout batches")
+    args = p.parse_args(rest)
+    config = cli.load_config(path or DEFAULT_CONFIG, overrides)
+    lab = Lab(config, args.workdir)
+    result = (cmd_lookups if args.command == "lookups" else cmd_distill)(lab, args)
+    result.update(command=args.command, config=path or DEFAULT_CONFIG, overrides=overrides)
+    out = args.out or os.path.join(args.workdir, "mechanism", f"{args.command}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"[mechanism] wrote {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
