@@ -56,7 +56,7 @@ class Lab:
         from dsparse_jax.config.validate import validate
         from dsparse_jax.report import mechanism
         from dsparse_jax.report.metrics import MetricsWriter
-        from dsparse_jax.train import context, distill, sft, steps
+        from dsparse_jax.train import context, distill, sft
 
         if not os.path.exists(os.path.join(workdir, "sft", "DONE.json")):
             raise UserError(
@@ -71,26 +71,21 @@ class Lab:
         finally:
             writer.close()
         self.chars = mechanism.token_chars(self.ctx.tok)
-        t = config.rl.temperature
-        g = self.ctx.graphdef
 
         def per_token(params, lora, tokens, pages, *, twin_spec, lora_scale):
-            """Exact per-token alpha and KL(sparse || dense) of the rollout's tokens."""
-            _, _, dense_logits = steps.token_logprobs(
-                g, params, tokens, temperature=t, spec=self.ctx.spec, with_logits=True
-            )
-            _, _, twin_logits = steps.token_logprobs(
-                g,
+            """Per-token alpha and exact KL(sparse || dense) (kl_rev) of the rollout's
+            tokens: the RL step's recompute on one chunk."""
+            return distill.token_stats(
                 params,
+                lora,
                 tokens,
-                temperature=t,
-                spec=twin_spec,
-                pages=pages,
-                lora=lora,
+                pages,
+                graphdef=self.ctx.graphdef,
+                temperature=config.rl.temperature,
+                dense_spec=self.ctx.spec,
+                twin_spec=twin_spec,
                 lora_scale=lora_scale,
-                with_logits=True,
             )
-            return distill.token_mismatch(dense_logits, twin_logits)
 
         self.per_token = jax.jit(per_token, static_argnames=("twin_spec", "lora_scale"))
 

@@ -118,7 +118,7 @@ def flatten_metrics(m: dict, prefix: str = "") -> dict:
 
 
 # ------------------------------------------------------------------------------ recompute
-def _token_stats(
+def token_stats(
     params, lora, tokens_BxS, pages, *, graphdef, temperature, dense_spec, twin_spec, lora_scale
 ) -> dict:
     """Per-token outputs of the recompute on one chunk of rows: dense_logp, dense_entropy
@@ -188,7 +188,7 @@ def recompute(
     memory is that of B / chunks rows; the metrics are computed over the whole batch.
     """
     stats = map_row_chunks(
-        lambda r: _token_stats(
+        lambda r: token_stats(
             params,
             lora,
             r["tokens"],
