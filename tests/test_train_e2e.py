@@ -53,8 +53,14 @@ def _records(workdir, phase):
 @pytest.mark.slow
 def test_main_job_runs_writes_and_resumes(tmp_path):
     wd = str(tmp_path / "run")
-    first = _train(wd, "--config.rl.num_steps=2")
+    # SFT: one curriculum step on 1-term problems, then the task (evaluated from step 2)
+    sft = ("--config.sft.curriculum=1:2:1", "--config.sft.max_steps=3")
+    first = _train(wd, "--config.rl.num_steps=2", *sft)
     assert first.returncode == 0, first.stderr[-3000:]
+    assert "[sft] stage 1/2: steps 1-1, num_terms=1, batch 2" in first.stdout
+    sft_records = _records(wd, "sft")
+    assert sft_records[0]["step"] == 1 and "eval_greedy_accuracy" not in sft_records[0]
+    assert all("eval_greedy_accuracy" in r for r in sft_records[1:]) and len(sft_records) > 1
     rl = _records(wd, "rl")
     assert [r["step"] for r in rl] == [1, 2]
     for key in (
@@ -87,7 +93,7 @@ def test_main_job_runs_writes_and_resumes(tmp_path):
     assert os.path.exists(os.path.join(wd, "sft", "DONE.json"))
     assert any(f.startswith("events") for f in os.listdir(os.path.join(wd, "tb")))
 
-    second = _train(wd, "--config.rl.num_steps=3")
+    second = _train(wd, "--config.rl.num_steps=3", *sft)
     assert second.returncode == 0, second.stderr[-3000:]
     out = second.stdout + second.stderr
     assert "reusing cached warm start" in out

@@ -109,6 +109,9 @@ def defaults() -> ml_collections.ConfigDict:
     c.sft.enabled = True  # warm start on the synthetic task; False for real data + checkpoint
     c.sft.max_steps = 1500
     c.sft.batch_size = 32
+    # Length curriculum (data/curriculum.py): stages "num_terms:batch_size:steps,..." on
+    # shorter chain problems before the task itself; "" = none.
+    c.sft.curriculum = ""
     c.sft.learning_rate = 3e-3
     c.sft.warmup_steps = 50
     c.sft.weight_decay = 0.0

@@ -207,7 +207,7 @@ def validate(c) -> None:
 def _validate_shapes(c) -> None:
     """The task (synthetic chain or a dataset's widths), the model (preset + overrides;
     a checkpoint's shapes are checked when it is read), the KV cache, the mesh."""
-    from dsparse_jax.data import batches, math_task
+    from dsparse_jax.data import batches, curriculum, math_task
     from dsparse_jax.model.config import preset
 
     source = c.data.source if "data" in c else "synthetic:chain"
@@ -221,7 +221,16 @@ def _validate_shapes(c) -> None:
         prompt, gen = batches.prompt_buffer(task), batches.completion_budget(task)
         cache = batches.sequence_buffer(task, page)
         gen_field = "task.num_terms"
+        try:
+            curriculum.stages(c.sft.curriculum, task, c.sft.batch_size, c.sft.max_steps)
+        except ValueError as e:
+            raise ConfigError(f"config.sft.curriculum: {e}") from None
     else:
+        _check(
+            not str(c.sft.curriculum).strip(),
+            "sft.curriculum",
+            "a curriculum needs the synthetic chain task (data.source synthetic:)",
+        )
         for f in ("data.max_prompt_tokens", "data.max_new_tokens"):
             _positive_int(c, f)
         prompt, gen = c.data.max_prompt_tokens, c.data.max_new_tokens

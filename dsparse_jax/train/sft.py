@@ -1,5 +1,6 @@
 """Warm start: supervised fine-tuning on worked solutions until held-out greedy accuracy
-reaches sft.target_accuracy. The result is cached in <workdir>/sft and reused."""
+reaches sft.target_accuracy, after the stages of an optional length curriculum
+(data/curriculum.py). The result is cached in <workdir>/sft and reused."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ import time
 import jax
 from jax.experimental import multihost_utils
 
-from dsparse_jax.data import batches
-from dsparse_jax.data.sources import problems
+from dsparse_jax.data import batches, curriculum
 from dsparse_jax.errors import UserError
 from dsparse_jax.reliability import checkpoints, faults
 from dsparse_jax.report.metrics import MetricsWriter, Progress
@@ -64,6 +64,8 @@ def warm_start(ctx: RunContext, workdir: str, writer: MetricsWriter):
             f"cannot resume from {ckpt.directory}: {e}; another model or config wrote it: "
             "use another --workdir"
         ) from None
+    plan = curriculum.stages(c.curriculum, ctx.task, c.batch_size, c.max_steps)
+    task_start = plan[-1].start  # held-out evaluation is on the task: from this step on
     accuracy = None
     if found is not None:
         params, opt_state, _, step, _ = checkpoints.from_saveable(found[1], params, opt_state)
@@ -77,16 +79,26 @@ def warm_start(ctx: RunContext, workdir: str, writer: MetricsWriter):
             ckpt.close()
             return params, info["accuracy"]
         print(f"[sft] resuming from step {step}", flush=True)
-        if step % c.eval_every == 0:  # a kill may have come between the stop and DONE.json
+        if step % c.eval_every == 0 and step > task_start:  # killed before DONE.json?
             accuracy = ctx.evaluator.greedy(params)
     writer.drop_after("sft", step)
 
     progress = Progress("sft", c.max_steps, start=step)
     t0 = time.time()
-    skips = 0
+    skips, stage, width = 0, None, ctx.seq_width
     while step < c.max_steps and not (accuracy is not None and accuracy >= c.target_accuracy):
-        batch = problems(ctx.task, "train", step * c.batch_size, c.batch_size, ctx.config.seed)
-        tokens, mask = batches.encode_sft(ctx.tok, batch, ctx.seq_width)
+        new_stage, batch = curriculum.train_problems(plan, step, ctx.config.seed)
+        if new_stage is not stage:
+            stage = new_stage
+            if len(plan) > 1:
+                width = batches.sequence_buffer(stage.task, ctx.spec.page_size)
+                print(
+                    f"[sft] stage {plan.index(stage) + 1}/{len(plan)}: steps {stage.start + 1}"
+                    f"-{stage.end}, num_terms={stage.task.num_terms}, batch "
+                    f"{stage.batch_size}, {width}-token buffer",
+                    flush=True,
+                )
+        tokens, mask = batches.encode_sft(ctx.tok, batch, width)
         params, opt_state, m = steps.sft_step(
             params, opt_state, tokens, mask, graphdef=ctx.graphdef, tx=tx
         )
@@ -101,8 +113,9 @@ def warm_start(ctx: RunContext, workdir: str, writer: MetricsWriter):
                 f"{c.max_consecutive_skips})"
             )
         if step % c.eval_every == 0 or step == c.max_steps:
-            accuracy = ctx.evaluator.greedy(params)
-            m["eval_greedy_accuracy"] = accuracy
+            if step > task_start:
+                accuracy = ctx.evaluator.greedy(params)
+                m["eval_greedy_accuracy"] = accuracy
             m["time"] = time.time() - t0
             try:
                 ckpt.save(
