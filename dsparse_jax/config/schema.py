@@ -101,6 +101,17 @@ def defaults() -> ml_collections.ConfigDict:
     c.task.train_size = 0  # 0: endless training stream; N: N problems, repeated in epochs
     c.task.format_reward = 0.0  # reward for a well-formed but wrong answer
 
+    # Rewards (data/rewards.py, data/user_rewards.py; README "Bring your own reward and
+    # data"). fn: "" (the built-in grader) or a comma list of path/to/file.py[:name] |
+    # package.module:name | builtin, with verl's compute_score(data_source, solution_str,
+    # ground_truth, extra_info) or tunix's fn(prompts, completions, **kwargs) signature.
+    c.reward = ml_collections.ConfigDict()
+    c.reward.fn = ""
+    c.reward.weights = ""  # comma list, one per reward.fn ("" -> 1 each); the reward is the sum
+    c.reward.grader = "auto"  # built-in grader of real data: auto (in-house) | math | math_verify
+    c.reward.timeout_s = 10.0  # per call of a user function; past it the row scores 0
+    c.reward.max_error_fraction = 0.1  # more failed rows in one step than this: the run stops
+
     c.attention = ml_collections.ConfigDict()
     c.attention.impl = "xla"  # auto | xla | pallas_tpu | triton_gpu
     c.attention.page_size = 16
@@ -213,4 +224,10 @@ def defaults() -> ml_collections.ConfigDict:
 
     c.log = ml_collections.ConfigDict()
     c.log.tensorboard = True
+    c.log.every = 10  # console: not a terminal -> one progress line every N steps
+    c.log.num_samples = 4  # prompts of each RL step written to <workdir>/samples.jsonl
+    # Weights & Biases (optional package, not in requirements.txt): WANDB_MODE=offline
+    # writes the run under <workdir>/wandb without a network.
+    c.log.wandb = False
+    c.log.wandb_project = "dsparse_jax"
     return c

@@ -42,6 +42,8 @@ class MathProblem:
     solution: str
     answer: str
     grader: str = "math"
+    data_source: str = ""  # verl's data_source (passed to user reward functions)
+    extra_info: dict | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,7 @@ class MetricsWriter:
 
     def __init__(self, workdir: str, tensorboard: bool = True):
         self.path = os.path.join(workdir, "metrics.jsonl")
+        self.samples_path = os.path.join(workdir, "samples.jsonl")
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
@@ -40,32 +41,45 @@ class MetricsWriter:
             self._tb.flush()
         return record
 
+    def write_samples(self, step: int, samples: list[dict]) -> None:
+        """Appends {"phase": "rl", "step", prompt, completion, reward, ...} lines to
+        <workdir>/samples.jsonl."""
+        with open(self.samples_path, "a") as f:
+            for s in samples:
+                f.write(json.dumps({"phase": "rl", "step": int(step), **s}) + "\n")
+
     def drop_after(self, phase: str, step: int) -> None:
-        """Forget records of `phase` past `step` (metrics of work lost in a crash, which a
-        resumed run will redo), and any line a kill cut short. The rewrite is atomic."""
-        if not os.path.exists(self.path):
-            return
-        with open(self.path) as f:
-            lines = [l for l in f if l.strip()]
-        keep = []
-        for l in lines:
-            r = _parse(l)
-            if r is None:
-                print(
-                    f"[metrics] WARNING: dropping an unreadable line of {self.path}: {l[:80]!r}",
-                    flush=True,
-                )
-            elif not (r["phase"] == phase and r["step"] > step):
-                keep.append(l if l.endswith("\n") else l + "\n")
-        if keep != lines:
-            tmp = self.path + ".tmp"
-            with open(tmp, "w") as f:
-                f.writelines(keep)
-            os.replace(tmp, self.path)
+        """Forget records of `phase` past `step` (metrics and samples of work lost in a
+        crash, which a resumed run will redo), and any line a kill cut short. The rewrite
+        is atomic."""
+        for path in (self.path, self.samples_path):
+            _drop_after(path, phase, step)
 
     def close(self):
         if self._tb is not None:
             self._tb.close()
+
+
+def _drop_after(path: str, phase: str, step: int) -> None:
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [l for l in f if l.strip()]
+    keep = []
+    for l in lines:
+        r = _parse(l)
+        if r is None:
+            print(
+                f"[metrics] WARNING: dropping an unreadable line of {path}: {l[:80]!r}",
+                flush=True,
+            )
+        elif not (r["phase"] == phase and r["step"] > step):
+            keep.append(l if l.endswith("\n") else l + "\n")
+    if keep != lines:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(keep)
+        os.replace(tmp, path)
 
 
 def _parse(line: str) -> dict | None:

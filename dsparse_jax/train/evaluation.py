@@ -16,13 +16,15 @@ def decode_completions(tok: Tokenizer, rollout) -> list[str]:
     return [tok.decode(row) for row in completion_view(rollout, tok.pad_id)]
 
 
-def score(tok: Tokenizer, rollout, problems: list[Problem], format_reward: float = 0.0):
-    """Rewards of a rollout whose rows are `problems` repeated samples_per_prompt times."""
+def score(
+    tok: Tokenizer, rollout, problems: list[Problem], rewarder: rewards.Rewarder, where: str = ""
+) -> tuple[rewards.Scored, list[str]]:
+    """Rewards of a rollout whose rows are `problems` repeated samples_per_prompt times,
+    and the completions' text."""
     texts = decode_completions(tok, rollout)
     reps = len(texts) // len(problems)
-    answers = [p.answer for p in problems for _ in range(reps)]
-    graders = [getattr(p, "grader", "chain") for p in problems for _ in range(reps)]
-    return rewards.batch_rewards(texts, answers, format_reward, graders), texts
+    rows = [p for p in problems for _ in range(reps)]
+    return rewarder.score(rows, texts, where), texts
 
 
 class Evaluator:
@@ -40,8 +42,10 @@ class Evaluator:
         problems: list[Problem],
         spec: AttentionSpec = AttentionSpec(),
         batch_size: int = 64,
+        rewarder: rewards.Rewarder | None = None,
     ):
         self.sampler, self.tok, self.problems, self.spec = sampler, tok, problems, spec
+        self.rewarder = rewarder or rewards.Rewarder()
         self.batch_size = min(batch_size, len(problems))
         self.max_new = batches.completion_budget(task)
         self.prompt_width = batches.prompt_buffer(task)
@@ -65,9 +69,9 @@ class Evaluator:
             )
             key, sub = jax.random.split(key)
             rollout = self.sampler(params, prompts, lengths, sub, cfg, spec, lora, lora_scale)
-            r, _ = score(self.tok, rollout, chunk + chunk[:1] * pad)
-            correct.append(r.reshape(len(chunk) + pad, -1)[: len(chunk)])
-        return float(np.mean(np.concatenate(correct) == 1.0))
+            scored, _ = score(self.tok, rollout, chunk + chunk[:1] * pad, self.rewarder, "eval")
+            correct.append(scored.rewards.reshape(len(chunk) + pad, -1)[: len(chunk)])
+        return float(np.mean(rewards.is_correct(np.concatenate(correct))))
 
     def greedy(self, params, lora=None, lora_scale=1.0, spec: AttentionSpec | None = None) -> float:
         cfg = SamplingConfig(

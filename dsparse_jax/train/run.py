@@ -77,6 +77,7 @@ def main(config, workdir: str, sft_only: bool = False) -> dict:
             rl_loop.train_rl(ctx, workdir, sft_params, writer)
     finally:
         writer.close()
+        ctx.rewarder.close()
     evals = [r for r in read_metrics(log_dir) if r["phase"] == "eval"]
     summary = {
         "sft_greedy_accuracy": sft_acc,
