@@ -66,7 +66,8 @@ def defaults() -> ml_collections.ConfigDict:
     c.model.checkpoint_dir = ""
 
     # Task data (docs/real_models.md): synthetic:chain (the embedded task, configured in
-    # c.task) | jsonl:<path> | parquet:<path> | tfds:<name> (with data_dir).
+    # c.task) | jsonl:<path> | parquet:<path> (verl layout too) | hf_disk:<dir> (save_to_disk)
+    # | tfds:<name> (with data_dir).
     c.data = ml_collections.ConfigDict()
     c.data.source = "synthetic:chain"
     c.data.eval_source = ""  # real data; "" -> hold out eval.num_problems from source

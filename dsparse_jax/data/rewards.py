@@ -156,7 +156,7 @@ def _row(problem, completion: str) -> dict:
     return {
         "prompt": problem.prompt,
         "completion": completion,
-        "ground_truth": problem.answer,
+        "ground_truth": getattr(problem, "ground_truth", "") or problem.answer,
         "data_source": getattr(problem, "data_source", "") or "synthetic:chain",
         "extra_info": getattr(problem, "extra_info", None) or {},
     }

@@ -1,7 +1,7 @@
 """Everything a run builds once from its config: task, tokenizer, model graph, sampler.
 
 The task comes from config.data.source (default synthetic:chain, the embedded task with
-its char tokenizer and a random init); a real dataset (jsonl: / parquet: / tfds:) uses a
+its char tokenizer and a random init); a real dataset (jsonl: / parquet: / hf_disk: / tfds:) uses a
 Gemma tokenizer.model (config.tokenizer.path, default <model.checkpoint_dir>/tokenizer.model)
 and, with model.checkpoint_dir set, shapes and weights from a Hugging Face checkpoint.
 docs/real_models.md.
