@@ -232,3 +232,21 @@ def defaults() -> ml_collections.ConfigDict:
     c.log.wandb = False
     c.log.wandb_project = "dsparse_jax"
     return c
+
+
+def from_dict(values: dict) -> ml_collections.ConfigDict:
+    """defaults() with the values of a dict (a run's config.json) set over them; keys the
+    schema does not declare are kept too, so validation names them."""
+    c = defaults()
+    _merge(c, values)
+    return c
+
+
+def _merge(c: ml_collections.ConfigDict, values: dict) -> None:
+    for k, v in values.items():
+        if isinstance(v, dict) and k in c and hasattr(c[k], "keys"):
+            _merge(c[k], v)
+        elif k in c and v is not None and c.get_type(k) is float and isinstance(v, int):
+            c[k] = float(v)
+        else:
+            c[k] = v

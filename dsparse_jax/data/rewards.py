@@ -113,6 +113,16 @@ def batch_rewards(
     )
 
 
+def answer_key(problem, completion: str) -> str | None:
+    """The completion's final answer as a voting key (maj@k), by the built-in extractor of
+    the problem's grader: the chain task's answer line, else answer_check's normalized
+    \\boxed / #### / "the answer is" answer. None: no answer."""
+    if getattr(problem, "grader", "chain") == "chain":
+        return extract_answer(completion)
+    got = answer_check.extract_answer(completion)
+    return None if got is None else answer_check.normalize(got)
+
+
 def is_correct(rewards_B) -> np.ndarray:
     """A completion counts as correct (accuracy, mean@k, pass@k) when its reward is >= 1."""
     return np.asarray(rewards_B) >= 1.0

@@ -107,14 +107,32 @@ def _fmt_time(s: float) -> str:
 
 
 class Progress:
-    """One status line per step on stderr: bar, step/total, chosen metrics, elapsed, ETA."""
+    """Console progress of a loop: bar, step/total, chosen metrics, elapsed, ETA.
 
-    def __init__(self, name: str, total: int, start: int = 0, stream=sys.stderr):
+    On a terminal it is one line rewritten in place; otherwise (a log file, a pipe) one
+    line every `every` steps and at the last step. `upper_bound`: the loop may stop before
+    `total` (SFT stops at its accuracy target), so the ETA, which assumes every step,
+    is printed as 'ETA <= ...'. Call close() before printing anything else."""
+
+    def __init__(
+        self,
+        name: str,
+        total: int,
+        start: int = 0,
+        stream=None,
+        every: int = 1,
+        upper_bound: bool = False,
+        tty: bool | None = None,
+    ):
         self.name, self.total, self.start = name, total, start
+        self.every, self.upper_bound = max(1, every), upper_bound
         self.t0 = time.time()
-        self.stream = stream
+        self.stream = sys.stderr if stream is None else stream
+        isatty = getattr(self.stream, "isatty", None)
+        self.tty = bool(isatty and isatty()) if tty is None else tty
+        self._open = False  # a terminal line is being rewritten
 
-    def update(self, step: int, metrics: dict, keys: tuple[str, ...] = ()) -> None:
+    def line(self, step: int, metrics: dict, keys: tuple[str, ...] = ()) -> str:
         done = step - self.start
         elapsed = time.time() - self.t0
         eta = elapsed / done * (self.total - step) if done > 0 else float("nan")
@@ -122,9 +140,20 @@ class Progress:
         bar = "#" * int(20 * frac) + "." * (20 - int(20 * frac))
         shown = " ".join(f"{k} {float(metrics[k]):.3g}" for k in keys if k in metrics)
         eta_s = _fmt_time(eta) if math.isfinite(eta) else "?"
-        print(
-            f"[{self.name}] {bar} {step}/{self.total} {shown} | {_fmt_time(elapsed)} "
-            f"elapsed, ETA {eta_s}",
-            file=self.stream,
-            flush=True,
-        )
+        eta_s = f"ETA <= {eta_s} (may stop earlier)" if self.upper_bound else f"ETA {eta_s}"
+        return f"[{self.name}] {bar} {step}/{self.total} {shown} | {_fmt_time(elapsed)} elapsed, {eta_s}"
+
+    def update(self, step: int, metrics: dict, keys: tuple[str, ...] = ()) -> None:
+        if self.tty:
+            self.stream.write("\r" + self.line(step, metrics, keys) + "\033[K")
+            self.stream.flush()
+            self._open = True
+        elif step % self.every == 0 or step >= self.total:
+            print(self.line(step, metrics, keys), file=self.stream, flush=True)
+
+    def close(self) -> None:
+        """Ends the terminal line (the next update starts a new one)."""
+        if self._open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._open = False

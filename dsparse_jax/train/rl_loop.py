@@ -146,6 +146,11 @@ def _restore(ckpt, latest: int, st: TrainState, rng):
     return _from_tree(tree, st)[:3]
 
 
+def restore_state(ckpt, step: int, st: TrainState) -> TrainState:
+    """theta (and phi) of the RL checkpoint at `step`; `st` is the template (init_state)."""
+    return _restore(ckpt, step, st, jax.random.key(0))[0]
+
+
 def _resume(ckpt, st: TrainState, rng, mode: str, prompts_per_step: int):
     """(state, rng, step, consecutive skips) from the newest usable checkpoint, if any."""
     try:
@@ -192,7 +197,7 @@ def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
     if step == 0:
         evaluate(ctx, setup, st, 0, writer, jax.random.key(ctx.config.seed + 2))
 
-    progress = Progress("rl", c.num_steps, start=step)
+    progress = Progress("rl", c.num_steps, start=step, every=ctx.config.log.every)
     while step < c.num_steps:
         rng, step_key = jax.random.split(rng)
         samples: list[dict] = []
@@ -205,6 +210,7 @@ def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
         m["consecutive_skipped_steps"] = skips
         writer.write("rl", step, m)
         if c.max_consecutive_skips and skips >= c.max_consecutive_skips:
+            progress.close()
             ckpt.close()
             raise SystemExit(
                 f"[rl] halted at step {step}: {skips} consecutive steps with a non-finite "
@@ -216,6 +222,7 @@ def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
             step, m, ("reward", "accuracy", "response_length_mean", "kl_exact", "time_step")
         )
         if step % ctx.config.eval.every == 0 or step == c.num_steps:
+            progress.close()
             evaluate(ctx, setup, st, step, writer, jax.random.fold_in(rng, 7))
         if step % ctx.config.checkpoint.every == 0 or step == c.num_steps:
             try:
@@ -225,8 +232,10 @@ def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
                     force=step == c.num_steps,
                 )
             except checkpoints.CheckpointError as e:  # non-finite state: never saved
+                progress.close()
                 ckpt.close()
                 raise SystemExit(f"[rl] halted at step {step}: {e}") from None
             faults.maybe_kill("rl_checkpoint", step)  # the write is still in flight
+    progress.close()
     ckpt.close()
     return st.params
