@@ -337,6 +337,9 @@ def test_verl_parquet(tok, tmp_path):
     probs, stats = sources.load_problems(f"parquet:{path}", sources.SourceConfig(), tok)
     _check_verl_problems(probs)
     assert stats["bad"] == 0 and stats["kept"] == 4
+    # A GSM8K config's question / answer fields do not hide verl's layout.
+    gsm8k = sources.SourceConfig(question_field="question", answer_field="answer")
+    _check_verl_problems(sources.load_problems(f"parquet:{path}", gsm8k, tok)[0])
 
 
 def test_verl_system_and_multi_turn_messages():

@@ -20,8 +20,9 @@ ANSWER_FIELDS. A record in verl's layout (what verl's gsm8k preprocessing writes
     reward_model  {"style": "rule", "ground_truth": "72"}
     extra_info    {"split": ..., "index": ..., ...}       passed on to reward functions
 
-is read as such whenever its prompt is a list (data.question_field empty): the messages are
-the prompt (data.instruction is not added), reward_model.ground_truth the answer. A record without a usable question or answer is counted and skipped
+is read as such whenever its prompt is a list (and data.question_field names no other field
+of the record): the messages are the prompt (data.instruction is not added),
+reward_model.ground_truth the answer. A record without a usable question or answer is counted and skipped
 with a warning; above `max_bad_fraction` of the records, loading fails. Prompts longer
 than the static prompt width are dropped or truncated (`overlong`).
 
@@ -264,8 +265,11 @@ def _messages(v) -> list[dict] | None:
 
 
 def is_verl_record(rec: dict, cfg: SourceConfig) -> bool:
-    """verl's layout: a list under prompt (and no explicit data.question_field)."""
-    return not cfg.question_field and isinstance(rec.get("prompt"), (list, tuple, np.ndarray))
+    """verl's layout: a list under prompt (unless data.question_field names another field
+    of the record: then that field is the question)."""
+    if cfg.question_field and cfg.question_field != "prompt" and cfg.question_field in rec:
+        return False
+    return isinstance(rec.get("prompt"), (list, tuple, np.ndarray))
 
 
 def _verl_problem(n: int, rec: dict, cfg: SourceConfig, tok: Tokenizer):
