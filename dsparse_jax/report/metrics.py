@@ -1,4 +1,5 @@
-"""Metrics out: JSONL (the source of truth), TensorBoard events, a console progress line."""
+"""Metrics out: JSONL (the source of truth), TensorBoard events, optional Weights & Biases,
+samples.jsonl (a few rollouts of each RL step), a console progress line."""
 
 from __future__ import annotations
 
@@ -18,9 +19,13 @@ def _scalar(v):
 
 class MetricsWriter:
     """Appends {"phase", "step", ...metrics} records to <workdir>/metrics.jsonl and mirrors
-    scalars to TensorBoard (<workdir>/tb) when enabled."""
+    scalars to TensorBoard (<workdir>/tb) and Weights & Biases when enabled.
 
-    def __init__(self, workdir: str, tensorboard: bool = True):
+    wandb: {"project", "name", "config"} starts a wandb run in <workdir>/wandb (the wandb
+    package is optional; WANDB_MODE=offline needs no network or account). Each phase logs
+    against its own step (`<phase>/step`), since SFT and RL steps restart from 1."""
+
+    def __init__(self, workdir: str, tensorboard: bool = True, wandb: dict | None = None):
         self.path = os.path.join(workdir, "metrics.jsonl")
         self.samples_path = os.path.join(workdir, "samples.jsonl")
         self._tb = None
@@ -28,6 +33,9 @@ class MetricsWriter:
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+        self._wandb = None
+        if wandb is not None:
+            self._wandb = _start_wandb(workdir, **wandb)
 
     def write(self, phase: str, step: int, metrics: dict) -> dict:
         record = {"phase": phase, "step": int(step)}
@@ -39,6 +47,13 @@ class MetricsWriter:
                 if isinstance(v, float) and math.isfinite(v):
                     self._tb.add_scalar(f"{phase}/{k}", v, step)
             self._tb.flush()
+        if self._wandb is not None:
+            scalars = {
+                f"{phase}/{k}": v
+                for k, v in record.items()
+                if isinstance(v, float) and math.isfinite(v)
+            }
+            self._wandb.log({**scalars, f"{phase}/step": record["step"]})
         return record
 
     def write_samples(self, step: int, samples: list[dict]) -> None:
@@ -58,6 +73,23 @@ class MetricsWriter:
     def close(self):
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _start_wandb(workdir: str, project: str, name: str, config: dict):
+    try:
+        import wandb  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+        raise ImportError(
+            "config.log.wandb: needs the wandb package (pip install wandb; it is not in "
+            "requirements.txt)"
+        ) from e
+    run = wandb.init(project=project, name=name, config=config, dir=workdir, resume="allow")
+    for phase in ("sft", "rl", "eval"):
+        run.define_metric(f"{phase}/*", step_metric=f"{phase}/step")
+    return run
 
 
 def _drop_after(path: str, phase: str, step: int) -> None:
