@@ -509,8 +509,8 @@ def measure_sweep(
             if b > 0:  # the first batch includes the compile
                 times.append(dt)
                 toks.append(float(ncomp.sum()))
-            rew, _ = score(ctx.tok, r, probs, config.task.format_reward)
-            rewards.append(np.asarray(rew))
+            scored, _ = score(ctx.tok, r, probs, ctx.rewarder)
+            rewards.append(np.asarray(scored.rewards))
             rec = distill.recompute(
                 params,
                 None,

@@ -165,7 +165,7 @@ def cmd_lookups(lab: Lab, args) -> dict:
         spec = lab.spec(budget)
         t = time.time()
         probs, r = lab.rollout(spec, 0, args.prompts, jax.random.key(lab.config.seed + 21))
-        rewards, _ = score(lab.ctx.tok, r, probs, lab.config.task.format_reward)
+        rewards = score(lab.ctx.tok, r, probs, lab.ctx.rewarder)[0].rewards
         out, _, _ = lab.analyse(r, spec)
         out.update(budget=budget, reward=float(np.mean(rewards)), seconds=time.time() - t)
         out["completion_tokens_mean"] = float(np.mean(r.completion_lengths))

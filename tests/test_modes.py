@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from dsparse_jax.config.validate import ConfigError, load_config, validate
+from dsparse_jax.data import rewards
 from dsparse_jax.train import context, phases, rl_loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,11 +53,13 @@ def _leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
-def fake_score(tok, rollout, problems, format_reward=0.0):
+def fake_score(tok, rollout, problems, rewarder=None, where=""):
     """A dense reward an untrained model can earn: the fraction of odd completion tokens
     (the task's exact-match reward is 0 for every random completion: no gradient)."""
     odd = np.asarray((rollout.tokens % 2) * rollout.completion_mask).sum(1)
-    return odd / np.maximum(np.asarray(rollout.completion_mask).sum(1), 1), None
+    r = odd / np.maximum(np.asarray(rollout.completion_mask).sum(1), 1)
+    texts = ["<completion>"] * len(r)
+    return rewards.Scored(r, np.zeros(len(r), bool), {"reward_errors": 0}), texts
 
 
 # Options are spread so that compiles are shared: grpo_update compiles twice only (none

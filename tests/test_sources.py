@@ -296,3 +296,135 @@ def test_hf_config_matches_presets():
         "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
     }
     assert hf_checkpoint.model_config_from_hf(g3_4b) == mc.gemma3_4b()
+
+
+# ------------------------------------------------------------- verl parquet, save_to_disk
+def _verl_rows():
+    """Rows exactly as verl's examples/data_preprocess/gsm8k.py writes them."""
+    instruction = 'Let\'s think step by step and output the final answer after "####".'
+    return [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": f"What is {i} + {i}? {instruction}"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+            "extra_info": {
+                "split": "train",
+                "index": i,
+                "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}",
+                "question": f"What is {i} + {i}?",
+            },
+        }
+        for i in range(4)
+    ]
+
+
+def _check_verl_problems(probs):
+    assert [p.answer for p in probs] == ["0", "2", "4", "6"]
+    p = probs[1]
+    assert p.prompt == gt.chat_prompt(_verl_rows()[1]["prompt"][0]["content"])
+    assert gt.MATH_INSTRUCTION not in p.prompt  # the messages are the prompt as written
+    assert (p.data_source, p.ground_truth, p.extra_info["index"]) == ("openai/gsm8k", "2", 1)
+    assert p.solution.endswith("#### 2")
+
+
+def test_verl_parquet(tok, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(_verl_rows()), path)
+    probs, stats = sources.load_problems(f"parquet:{path}", sources.SourceConfig(), tok)
+    _check_verl_problems(probs)
+    assert stats["bad"] == 0 and stats["kept"] == 4
+    # A GSM8K config's question / answer fields do not hide verl's layout.
+    gsm8k = sources.SourceConfig(question_field="question", answer_field="answer")
+    _check_verl_problems(sources.load_problems(f"parquet:{path}", gsm8k, tok)[0])
+
+
+def test_verl_system_and_multi_turn_messages():
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "2+2?"},
+    ]
+    assert gt.render_chat(msgs) == (
+        "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+        "<start_of_turn>model\nHello<end_of_turn>\n"
+        "<start_of_turn>user\n2+2?<end_of_turn>\n<start_of_turn>model\n"
+    )
+    assert gt.render_chat(msgs, chat=False) == "Be brief.\n\nHi\n\nHello\n\n2+2?\n"
+
+
+def test_verl_malformed_records_are_counted_and_named(tok, tmp_path):
+    rows = _verl_rows()
+    rows[0]["prompt"] = [{"role": "user"}]  # no content
+    rows[1]["reward_model"] = {"style": "rule"}  # no ground_truth
+    rows[2]["prompt"] = []
+    path = tmp_path / "bad.jsonl"
+    _write_jsonl(path, rows)
+    cfg = sources.SourceConfig(max_bad_fraction=0.9)
+    with pytest.warns(UserWarning, match="skipped 3 of 4 bad records") as w:
+        probs, stats = sources.load_problems(f"jsonl:{path}", cfg, tok)
+    msg = str(w[0].message)
+    assert "record 0: prompt is not a list of chat messages" in msg
+    assert "record 1: no usable reward_model.ground_truth" in msg
+    assert [p.answer for p in probs] == ["6"] and stats["bad"] == 3
+    with pytest.raises(ValueError, match="more than max_bad_fraction"):
+        sources.load_problems(f"jsonl:{path}", sources.SourceConfig(), tok)
+
+
+def _save_to_disk(directory, rows, split="train"):
+    """The layout datasets' Dataset.save_to_disk writes: arrow IPC stream shards listed in
+    state.json, beside dataset_info.json."""
+    import pyarrow as pa
+
+    os.makedirs(directory)
+    table = pa.Table.from_pylist(rows)
+    name = "data-00000-of-00001.arrow"
+    with pa.OSFile(os.path.join(directory, name), "wb") as f:
+        with pa.ipc.new_stream(f, table.schema) as writer:
+            writer.write_table(table)
+    with open(os.path.join(directory, "dataset_info.json"), "w") as f:
+        json.dump({"citation": "", "description": "", "features": {}, "homepage": ""}, f)
+    state = {
+        "_data_files": [{"filename": name}],
+        "_fingerprint": "0123456789abcdef",
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": None,
+        "_output_all_columns": False,
+        "_split": split,
+    }
+    with open(os.path.join(directory, "state.json"), "w") as f:
+        json.dump(state, f)
+
+
+def test_hf_save_to_disk_dataset_and_dataset_dict(tok, tmp_path):
+    _save_to_disk(tmp_path / "ds", _verl_rows())
+    probs, _ = sources.load_problems(f"hf_disk:{tmp_path}/ds", sources.SourceConfig(), tok)
+    _check_verl_problems(probs)
+    # A DatasetDict: one directory per split, dataset_dict.json naming them.
+    gsm = [{"question": f"What is {i}?", "answer": f"It is {i}.\n#### {i}"} for i in range(3)]
+    _save_to_disk(tmp_path / "dd" / "train", gsm)
+    _save_to_disk(tmp_path / "dd" / "test", gsm[:1], split="test")
+    with open(tmp_path / "dd" / "dataset_dict.json", "w") as f:
+        json.dump({"splits": ["train", "test"]}, f)
+    uri = f"hf_disk:{tmp_path}/dd"
+    train, _ = sources.load_problems(uri, sources.SourceConfig(), tok)
+    test, _ = sources.load_problems(uri, sources.SourceConfig(split="test"), tok)
+    assert [p.answer for p in train] == ["0", "1", "2"] and [p.answer for p in test] == ["0"]
+    with pytest.raises(ValueError, match="no split 'validation'"):
+        sources.load_problems(uri, sources.SourceConfig(split="validation"), tok)
+    with pytest.raises(FileNotFoundError, match="not a directory written by datasets"):
+        sources.load_problems(f"hf_disk:{tmp_path}", sources.SourceConfig(), tok)
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        sources.load_problems(f"hf_disk:{tmp_path}/none", sources.SourceConfig(), tok)
+
+
+def test_hf_save_to_disk_written_by_datasets(tok, tmp_path):
+    datasets = pytest.importorskip("datasets", reason="datasets not installed")
+    datasets.Dataset.from_list(_verl_rows()).save_to_disk(str(tmp_path / "ds"))
+    probs, _ = sources.load_problems(f"hf_disk:{tmp_path}/ds", sources.SourceConfig(), tok)
+    _check_verl_problems(probs)

@@ -92,6 +92,15 @@ def test_main_job_runs_writes_and_resumes(tmp_path):
     assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) >= ["1", "2"]
     assert os.path.exists(os.path.join(wd, "sft", "DONE.json"))
     assert any(f.startswith("events") for f in os.listdir(os.path.join(wd, "tb")))
+    # samples.jsonl: log.num_samples (here all 2) prompts of each RL step
+    with open(os.path.join(wd, "samples.jsonl")) as f:
+        samples = [json.loads(line) for line in f]
+    assert [s["step"] for s in samples] == [1, 1, 2, 2]
+    assert all({"prompt", "completion", "reward", "answer"} <= set(s) for s in samples)
+    # Not a terminal: a progress line every log.every (10) steps and at the last step only.
+    progress = [l for l in first.stderr.splitlines() if l.startswith(("[rl] ", "[sft] "))]
+    assert [l.split()[2] for l in progress] == ["2/2", "2/2"], progress
+    assert "ETA <= " in progress[0] and "\r" not in first.stderr
 
     second = _train(wd, "--config.rl.num_steps=3", *sft)
     assert second.returncode == 0, second.stderr[-3000:]

@@ -66,7 +66,8 @@ def defaults() -> ml_collections.ConfigDict:
     c.model.checkpoint_dir = ""
 
     # Task data (docs/real_models.md): synthetic:chain (the embedded task, configured in
-    # c.task) | jsonl:<path> | parquet:<path> | tfds:<name> (with data_dir).
+    # c.task) | jsonl:<path> | parquet:<path> (verl layout too) | hf_disk:<dir> (save_to_disk)
+    # | tfds:<name> (with data_dir).
     c.data = ml_collections.ConfigDict()
     c.data.source = "synthetic:chain"
     c.data.eval_source = ""  # real data; "" -> hold out eval.num_problems from source
@@ -100,6 +101,17 @@ def defaults() -> ml_collections.ConfigDict:
     c.task.order = "sum"  # sum (a `sum:` line orders the terms) | names (every var, in name order)
     c.task.train_size = 0  # 0: endless training stream; N: N problems, repeated in epochs
     c.task.format_reward = 0.0  # reward for a well-formed but wrong answer
+
+    # Rewards (data/rewards.py, data/user_rewards.py; README "Bring your own reward and
+    # data"). fn: "" (the built-in grader) or a comma list of path/to/file.py[:name] |
+    # package.module:name | builtin, with verl's compute_score(data_source, solution_str,
+    # ground_truth, extra_info) or tunix's fn(prompts, completions, **kwargs) signature.
+    c.reward = ml_collections.ConfigDict()
+    c.reward.fn = ""
+    c.reward.weights = ""  # comma list, one per reward.fn ("" -> 1 each); the reward is the sum
+    c.reward.grader = "auto"  # built-in grader of real data: auto (in-house) | math | math_verify
+    c.reward.timeout_s = 10.0  # per call of a user function; past it the row scores 0
+    c.reward.max_error_fraction = 0.1  # more failed rows in one step than this: the run stops
 
     c.attention = ml_collections.ConfigDict()
     c.attention.impl = "xla"  # auto | xla | pallas_tpu | triton_gpu
@@ -216,4 +228,28 @@ def defaults() -> ml_collections.ConfigDict:
 
     c.log = ml_collections.ConfigDict()
     c.log.tensorboard = True
+    c.log.every = 10  # console: not a terminal -> one progress line every N steps
+    c.log.num_samples = 4  # prompts of each RL step written to <workdir>/samples.jsonl
+    # Weights & Biases (optional package, not in requirements.txt): WANDB_MODE=offline
+    # writes the run under <workdir>/wandb without a network.
+    c.log.wandb = False
+    c.log.wandb_project = "dsparse_jax"
     return c
+
+
+def from_dict(values: dict) -> ml_collections.ConfigDict:
+    """defaults() with the values of a dict (a run's config.json) set over them; keys the
+    schema does not declare are kept too, so validation names them."""
+    c = defaults()
+    _merge(c, values)
+    return c
+
+
+def _merge(c: ml_collections.ConfigDict, values: dict) -> None:
+    for k, v in values.items():
+        if isinstance(v, dict) and k in c and hasattr(c[k], "keys"):
+            _merge(c[k], v)
+        elif k in c and v is not None and c.get_type(k) is float and isinstance(v, int):
+            c[k] = float(v)
+        else:
+            c[k] = v

@@ -141,6 +141,7 @@ def validate(c) -> None:
         "eval.num_problems",
         "checkpoint.every",
         "checkpoint.keep",
+        "log.every",
     ):
         _positive_int(c, f)
     _check(
@@ -159,6 +160,7 @@ def validate(c) -> None:
         "rl.grow_buffer_from",
         "task.agg_every",
         "task.train_size",
+        "log.num_samples",
     ):
         _nonneg(c, f, integer=True)
     for f in ("sft.weight_decay", "rl.weight_decay", "lora.weight_decay"):
@@ -200,8 +202,43 @@ def validate(c) -> None:
         f"must divide the minibatch size {batch // c.rl.minibatches}",
     )
     _check(c.eval.mean_at_k >= 0, "eval.mean_at_k", "must be >= 0")
+    _validate_reward(c)
+    _check(
+        not c.log.wandb or importlib.util.find_spec("wandb") is not None,
+        "log.wandb",
+        "needs the wandb package (pip install wandb; not in requirements.txt)",
+    )
     _validate_modes(c)
     _validate_shapes(c)
+
+
+def _validate_reward(c) -> None:
+    """reward.*: the specs parse, their files exist, one weight each; the grader's package.
+    (The functions themselves are imported, and their signatures checked, by the reward
+    worker when the run is built.)"""
+    from dsparse_jax.data import rewards, user_rewards
+
+    r = c.reward
+    try:
+        for spec in rewards.parse_specs(r.fn):
+            if spec != user_rewards.BUILTIN:
+                target, _, is_file = user_rewards.split_spec(spec)
+                _check(
+                    not is_file or os.path.isfile(target), "reward.fn", f"no such file {target!r}"
+                )
+        rewards.parse_weights(r.weights, len(rewards.parse_specs(r.fn)))
+    except ConfigError:
+        raise
+    except UserError as e:  # its message names the field
+        raise ConfigError(str(e)) from None
+    _check(r.grader in rewards.GRADERS, "reward.grader", f"must be one of {rewards.GRADERS}")
+    _check(
+        r.grader != "math_verify" or importlib.util.find_spec("math_verify") is not None,
+        "reward.grader",
+        "math_verify needs the math-verify package: pip install math-verify",
+    )
+    _lr(c, "reward.timeout_s")
+    _check(0.0 <= r.max_error_fraction <= 1.0, "reward.max_error_fraction", "must be in [0, 1]")
 
 
 def _validate_shapes(c) -> None:

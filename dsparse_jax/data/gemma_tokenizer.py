@@ -36,6 +36,26 @@ def chat_prompt(user_text: str) -> str:
     return f"{START_OF_TURN}user\n{user_text}{END_OF_TURN}\n{START_OF_TURN}model\n"
 
 
+def render_chat(messages: list[dict], chat: bool = True) -> str:
+    """Chat messages [{role, content}] (system | user | assistant) as Gemma turns, ending
+    with the opening of the model's turn. Gemma has no system turn: a system message goes
+    before the first user message, as in Gemma's own chat template. chat=False: the
+    contents joined by blank lines."""
+    system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
+    turns = [m for m in messages if m["role"] != "system"]
+    if system and turns and turns[0]["role"] == "user":
+        turns[0] = {"role": "user", "content": system + "\n\n" + turns[0]["content"]}
+    elif system:
+        turns.insert(0, {"role": "user", "content": system})
+    if not chat:
+        return "\n\n".join(m["content"].strip() for m in turns) + "\n"
+    role = {"user": "user", "assistant": "model"}
+    body = "".join(
+        f"{START_OF_TURN}{role[m['role']]}\n{m['content']}{END_OF_TURN}\n" for m in turns
+    )
+    return body + f"{START_OF_TURN}model\n"
+
+
 def math_prompt(question: str, instruction: str = MATH_INSTRUCTION, chat: bool = True) -> str:
     """Instruction + question; the answer is asked for in \\boxed{}."""
     text = f"{instruction}\n\n{question.strip()}" if instruction else question.strip()

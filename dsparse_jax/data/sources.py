@@ -3,12 +3,26 @@
     synthetic:chain         the procedurally generated chain-sum task (math_task.py)
     jsonl:<path>            one JSON object per line
     parquet:<path>          a parquet file (pyarrow)
+    hf_disk:<dir>           a Hugging Face `datasets` directory written by save_to_disk
+                            (a Dataset, or a DatasetDict whose split data.split /
+                            data.eval_split is read); local only, read with pyarrow, the
+                            `datasets` package is not needed
     tfds:<name>[/<config>]  a prepared TFDS dataset under a local data_dir (no download)
 
 Records are dicts; the question and answer fields are configurable (GSM8K: question /
 answer "... #### N"; MATH: problem / solution with \\boxed{}; DeepScaleR / Polaris:
 problem / answer). Empty field names pick the first present of QUESTION_FIELDS /
-ANSWER_FIELDS. A record without a usable question or answer is counted and skipped
+ANSWER_FIELDS. A record in verl's layout (what verl's gsm8k preprocessing writes):
+
+    data_source   "openai/gsm8k"
+    prompt        [{"role": "user", "content": "..."}]   chat messages, rendered as they are
+    ability       "math"
+    reward_model  {"style": "rule", "ground_truth": "72"}
+    extra_info    {"split": ..., "index": ..., ...}       passed on to reward functions
+
+is read as such whenever its prompt is a list (and data.question_field names no other field
+of the record): the messages are the prompt (data.instruction is not added),
+reward_model.ground_truth the answer. A record without a usable question or answer is counted and skipped
 with a warning; above `max_bad_fraction` of the records, loading fails. Prompts longer
 than the static prompt width are dropped or truncated (`overlong`).
 
@@ -26,10 +40,10 @@ import warnings
 import numpy as np
 
 from dsparse_jax.data import answer_check, math_task
-from dsparse_jax.data.gemma_tokenizer import MATH_INSTRUCTION, math_prompt
+from dsparse_jax.data.gemma_tokenizer import MATH_INSTRUCTION, math_prompt, render_chat
 from dsparse_jax.data.tokenizer import Tokenizer
 
-SCHEMES = ("synthetic", "jsonl", "parquet", "tfds")
+SCHEMES = ("synthetic", "jsonl", "parquet", "hf_disk", "tfds")
 QUESTION_FIELDS = ("question", "problem", "prompt", "query")
 ANSWER_FIELDS = ("answer", "final_answer", "ground_truth", "solution")
 
@@ -42,6 +56,9 @@ class MathProblem:
     solution: str
     answer: str
     grader: str = "math"
+    data_source: str = ""  # verl's data_source (passed to user reward functions)
+    extra_info: dict | None = dataclasses.field(default=None, compare=False)
+    ground_truth: str = ""  # the answer field as written (reward functions get it; "": answer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +72,7 @@ class SourceConfig:
     overlong: str = "drop"  # drop | truncate (the question's tail is cut)
     max_bad_fraction: float = 0.01
     data_dir: str = ""  # tfds only
-    split: str = "train"  # tfds only
+    split: str = "train"  # tfds, and hf_disk DatasetDicts
 
     def __post_init__(self):
         if self.overlong not in ("drop", "truncate"):
@@ -104,6 +121,44 @@ def _read_parquet(path: str) -> list:
     return pq.read_table(path).to_pylist()
 
 
+def _read_arrow(path: str):
+    """One arrow file of save_to_disk (IPC stream format; the file format also read)."""
+    import pyarrow as pa  # pylint: disable=import-outside-toplevel
+
+    try:
+        with pa.OSFile(path) as f:
+            return pa.ipc.open_stream(f).read_all()
+    except pa.ArrowInvalid:
+        with pa.OSFile(path) as f:
+            return pa.ipc.open_file(f).read_all()
+
+
+def _read_hf_disk(path: str, split: str) -> list:
+    """Rows of a `datasets` save_to_disk directory: state.json lists the arrow files; a
+    DatasetDict (dataset_dict.json) has one such directory per split."""
+    dict_file = os.path.join(path, "dataset_dict.json")
+    if os.path.isfile(dict_file):
+        with open(dict_file) as f:
+            splits = json.load(f).get("splits", [])
+        if split not in splits:
+            raise ValueError(f"hf_disk:{path}: no split {split!r} (it has {splits})")
+        path = os.path.join(path, split)
+    state_file = os.path.join(path, "state.json")
+    if not os.path.isfile(state_file):
+        raise FileNotFoundError(
+            f"hf_disk:{path}: no state.json or dataset_dict.json: not a directory written "
+            "by datasets' save_to_disk"
+        )
+    with open(state_file) as f:
+        files = [d["filename"] for d in json.load(f).get("_data_files", [])]
+    if not files:
+        raise ValueError(f"hf_disk:{path}: state.json lists no _data_files")
+    rows = []
+    for name in files:
+        rows += _read_arrow(os.path.join(path, name)).to_pylist()
+    return rows
+
+
 def _decode(v):
     if isinstance(v, bytes):
         return v.decode("utf-8", errors="replace")
@@ -146,10 +201,14 @@ def read_records(uri: str, cfg: SourceConfig = SourceConfig()) -> list:
         raise ValueError("synthetic sources have no records: use math_task.problems")
     if scheme in ("jsonl", "parquet") and not os.path.isfile(target):
         raise FileNotFoundError(f"data source {uri!r}: no such file")
+    if scheme == "hf_disk" and not os.path.isdir(target):
+        raise FileNotFoundError(f"data source {uri!r}: no such directory")
     if scheme == "jsonl":
         return _read_jsonl(target)
     if scheme == "parquet":
         return _read_parquet(target)
+    if scheme == "hf_disk":
+        return _read_hf_disk(target, cfg.split)
     return _read_tfds(target, cfg.data_dir, cfg.split)
 
 
@@ -167,10 +226,12 @@ def _text(v) -> str | None:
     return v if isinstance(v, str) and v.strip() else None
 
 
-def _fit(question: str, cfg: SourceConfig, tok: Tokenizer) -> str | None:
-    """The templated prompt if it fits (BOS + tokens <= max_prompt_tokens), else the
-    truncated one (overlong='truncate') or None (overlong='drop')."""
-    prompt = math_prompt(question, cfg.instruction, cfg.chat)
+def _fit(question: str, cfg: SourceConfig, tok: Tokenizer, render=None) -> str | None:
+    """The templated prompt render(question) (default: math_prompt) if it fits (BOS +
+    tokens <= max_prompt_tokens), else the truncated one (overlong='truncate') or None
+    (overlong='drop')."""
+    render = render or (lambda q: math_prompt(q, cfg.instruction, cfg.chat))
+    prompt = render(question)
     if 1 + len(tok.encode(prompt)) <= cfg.max_prompt_tokens:
         return prompt
     if cfg.overlong == "drop":
@@ -179,12 +240,70 @@ def _fit(question: str, cfg: SourceConfig, tok: Tokenizer) -> str | None:
     over = 1 + len(tok.encode(prompt)) - cfg.max_prompt_tokens
     keep = len(q_ids) - over
     while keep > 0:
-        prompt = math_prompt(tok.decode(q_ids[:keep]), cfg.instruction, cfg.chat)
+        prompt = render(tok.decode(q_ids[:keep]))
         n = 1 + len(tok.encode(prompt))
         if n <= cfg.max_prompt_tokens:
             return prompt
         keep -= max(1, n - cfg.max_prompt_tokens)
     return None  # the template alone does not fit
+
+
+def _messages(v) -> list[dict] | None:
+    """verl's prompt: a non-empty list of {role: system | user | assistant, content: str}
+    with a user message, or None."""
+    if isinstance(v, np.ndarray):
+        v = v.tolist()
+    if not isinstance(v, (list, tuple)) or not v:
+        return None
+    ok = all(
+        isinstance(m, dict)
+        and m.get("role") in ("system", "user", "assistant")
+        and isinstance(m.get("content"), str)
+        for m in v
+    )
+    return list(v) if ok and any(m["role"] == "user" for m in v) else None
+
+
+def is_verl_record(rec: dict, cfg: SourceConfig) -> bool:
+    """verl's layout: a list under prompt (unless data.question_field names another field
+    of the record: then that field is the question)."""
+    if cfg.question_field and cfg.question_field != "prompt" and cfg.question_field in rec:
+        return False
+    return isinstance(rec.get("prompt"), (list, tuple, np.ndarray))
+
+
+def _verl_problem(n: int, rec: dict, cfg: SourceConfig, tok: Tokenizer):
+    """A MathProblem of a verl record, None if its prompt is too long, or the reason it
+    is bad (a string)."""
+    messages = _messages(rec.get("prompt"))
+    if messages is None:
+        return (
+            f"record {n}: prompt is not a list of chat messages {{role, content}} with a user turn"
+        )
+    rm = rec.get("reward_model")
+    ground_truth = _text(rm.get("ground_truth")) if isinstance(rm, dict) else None
+    if ground_truth is None:
+        return f"record {n}: no usable reward_model.ground_truth"
+    last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+
+    def render(text: str) -> str:
+        turns = list(messages)
+        turns[last] = {"role": "user", "content": text}
+        return render_chat(turns, cfg.chat)
+
+    prompt = _fit(messages[last]["content"], cfg, tok, render)
+    if prompt is None:
+        return None
+    extra = rec.get("extra_info")
+    extra = extra if isinstance(extra, dict) else {}
+    return MathProblem(
+        prompt=prompt,
+        solution=_text(extra.get("answer")) or "",
+        answer=answer_check.reference_answer(ground_truth),
+        data_source=_text(rec.get("data_source")) or "",
+        extra_info=extra,
+        ground_truth=ground_truth,
+    )
 
 
 def to_problems(
@@ -199,6 +318,17 @@ def to_problems(
             continue
         if not isinstance(rec, dict):
             reasons.append(f"record {n}: not an object ({type(rec).__name__})")
+            continue
+        if is_verl_record(rec, cfg):
+            got = _verl_problem(n, rec, cfg, tok)
+            if isinstance(got, str):
+                reasons.append(got)
+            elif got is None:
+                stats["overlong"] += 1
+            else:
+                out.append(got)
+                full = render_chat(_messages(rec["prompt"]), cfg.chat)
+                stats["truncated"] += got.prompt != full
             continue
         qf = _field(rec, cfg.question_field, QUESTION_FIELDS)
         af = _field(rec, cfg.answer_field, ANSWER_FIELDS)

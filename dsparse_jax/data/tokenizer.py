@@ -8,6 +8,7 @@ Text is not normalized (identity rule, no dummy prefix, whitespace kept), so
 from __future__ import annotations
 
 import io
+import json
 import os
 from collections.abc import Iterable, Sequence
 
@@ -134,6 +135,34 @@ class Tokenizer:
     def to_bytes(self) -> bytes:
         """The serialized SentencePiece model proto."""
         return self._sp.serialized_model_proto()
+
+    def save_hf(self, out_dir: str | os.PathLike) -> list[str]:
+        """tokenizer.model + tokenizer_config.json + special_tokens_map.json, loadable by
+        transformers' (slow, SentencePiece) GemmaTokenizer. Returns the files written."""
+        os.makedirs(out_dir, exist_ok=True)
+        self.save(os.path.join(out_dir, "tokenizer.model"))
+        special = {
+            "bos_token": self.id_to_piece(self.bos_id),
+            "eos_token": self.id_to_piece(self.eos_id),
+            "pad_token": self.id_to_piece(self.pad_id),
+            "unk_token": self.id_to_piece(self.unk_id),
+        }
+        config = {
+            "tokenizer_class": "GemmaTokenizer",
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": 1_000_000,
+            "sp_model_kwargs": {},
+            **special,
+        }
+        for name, content in (
+            ("tokenizer_config.json", config),
+            ("special_tokens_map.json", special),
+        ):
+            with open(os.path.join(out_dir, name), "w") as f:
+                json.dump(content, f, indent=2)
+        return ["tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"]
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the model proto to `path`, creating parent directories."""

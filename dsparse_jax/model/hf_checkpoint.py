@@ -260,6 +260,21 @@ def hf_config_from(cfg: ModelConfig) -> dict:
     return hf
 
 
+def transformers_caveats(cfg: ModelConfig) -> list[str]:
+    """What transformers' Gemma classes do not reproduce of cfg: the export loads, but its
+    logits there differ from ours. (Gemma 3's attention in transformers 4.57 never applies
+    attn_logit_softcapping; the tiny preset has qk_norm, hence the Gemma 3 format, and an
+    attention soft-cap.)"""
+    out = []
+    if cfg.qk_norm and cfg.attn_softcap is not None:
+        out.append(
+            f"attn_softcap={cfg.attn_softcap} with qk_norm (Gemma 3 format): transformers' "
+            "Gemma3 attention ignores attn_logit_softcapping, so its logits differ from "
+            "this model's (slightly, for a soft-cap well above the attention logits)"
+        )
+    return out
+
+
 # ----------------------------------------------------------------------------- tensors
 def _weight_files(ckpt_dir: str) -> list[str]:
     index = os.path.join(ckpt_dir, INDEX_FILE)
@@ -501,6 +516,78 @@ def export(
     with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     return [CONFIG_FILE, INDEX_FILE] + files
+
+
+# ------------------------------------------------------------------------ PEFT adapter
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_HF_MODULES = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
+
+
+def lora_to_peft(lora: Mapping, dtype: str = "float32") -> dict[str, np.ndarray]:
+    """A LoRA delta tree as peft tensors: lora_A.weight [r, in] = A^T and lora_B.weight
+    [out, r] = B^T (input and output dims flattened as in the HF weights), so that
+    B_hf A_hf = (A B)^T, the delta of the [out, in] HF weight."""
+    out = {}
+    np_dtype = jnp.dtype(dtype)
+    for i, maps in lora.items():
+        for name, ab in maps.items():
+            a = np.asarray(jax.device_get(ab["a"]), np.float32)
+            b = np.asarray(jax.device_get(ab["b"]), np.float32)
+            r = a.shape[-1]
+            prefix = f"base_model.model.model.layers.{int(i)}.{_HF_MODULES[name]}"
+            out[prefix + ".lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, r).T, np_dtype)
+            out[prefix + ".lora_B.weight"] = np.ascontiguousarray(b.reshape(r, -1).T, np_dtype)
+    return out
+
+
+def export_lora_adapter(
+    out_dir: str,
+    lora: Mapping,
+    *,
+    rank: int,
+    alpha: float,
+    base_model: str = "",
+    dtype: str = "float32",
+) -> list[str]:
+    """Writes phi as a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors)
+    that peft.PeftModel.from_pretrained loads onto the exported base (W + B A * alpha/r,
+    peft's scaling without rslora). Returns the files written."""
+    st, _ = _safetensors()
+    names = sorted({name for maps in lora.values() for name in maps})
+    layers = sorted(int(i) for i in lora)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": int(rank),
+        "lora_alpha": float(alpha),
+        "lora_dropout": 0.0,
+        "target_modules": sorted(_HF_MODULES[n].split(".")[-1] for n in names),
+        "layers_to_transform": layers,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
+        json.dump(config, f, indent=2)
+    st.save_file(
+        lora_to_peft(lora, dtype), os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"}
+    )
+    return [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
 
 
 def num_bytes(cfg: ModelConfig, dtype: str = "bfloat16") -> int:

@@ -1,7 +1,7 @@
 """Everything a run builds once from its config: task, tokenizer, model graph, sampler.
 
 The task comes from config.data.source (default synthetic:chain, the embedded task with
-its char tokenizer and a random init); a real dataset (jsonl: / parquet: / tfds:) uses a
+its char tokenizer and a random init); a real dataset (jsonl: / parquet: / hf_disk: / tfds:) uses a
 Gemma tokenizer.model (config.tokenizer.path, default <model.checkpoint_dir>/tokenizer.model)
 and, with model.checkpoint_dir set, shapes and weights from a Hugging Face checkpoint.
 docs/real_models.md.
@@ -19,7 +19,7 @@ from flax import nnx
 from dsparse_jax.attention.spec import AttentionSpec, SparseSpec
 from dsparse_jax.config import schema
 from dsparse_jax.config.validate import ConfigError, field_error
-from dsparse_jax.data import batches, math_task, sources
+from dsparse_jax.data import batches, math_task, rewards, sources
 from dsparse_jax.data.gemma_tokenizer import GemmaTokenizer
 from dsparse_jax.data.math_task import ChainTaskConfig, build_tokenizer
 from dsparse_jax.data.tokenizer import Tokenizer
@@ -45,6 +45,11 @@ class RunContext:
     seq_width: int  # static width of prompt + completion buffers
     rollout_spec: AttentionSpec | None = None  # sparse actor attention (config.sparse)
     lora_cfg: LoRAConfig | None = None  # the actor's adapter (config.lora, distillsparse)
+    rewarder: rewards.Rewarder | None = None  # config.reward (close() it when done)
+
+    def __post_init__(self):
+        if self.rewarder is None:
+            self.rewarder = rewards.Rewarder.from_config(self.config)
 
     @property
     def mode(self) -> str:
@@ -150,7 +155,8 @@ def build(config) -> RunContext:
     lora_cfg = lora_config(config)
     sampler = Sampler(graphdef)
     eval_problems = sources.problems(task, "eval", 0, config.eval.num_problems, config.seed)
-    evaluator = Evaluator(sampler, tok, task, eval_problems, spec)
+    rewarder = rewards.Rewarder.from_config(config)  # starts the worker of user functions
+    evaluator = Evaluator(sampler, tok, task, eval_problems, spec, rewarder=rewarder)
     return RunContext(
         config=config,
         task=task,
@@ -164,6 +170,7 @@ def build(config) -> RunContext:
         seq_width=batches.sequence_buffer(task, spec.page_size),
         rollout_spec=rollout_spec,
         lora_cfg=lora_cfg,
+        rewarder=rewarder,
     )
 
 

@@ -1,4 +1,9 @@
-"""Held-out evaluation: greedy accuracy and mean@k on the task's eval split."""
+"""Held-out evaluation: greedy accuracy, mean@k, maj@k and pass@k on the task's eval split.
+
+A completion is correct when its reward is >= 1 (rewards.is_correct). Over k samples per
+problem: mean@k is the mean correctness, pass@k the fraction of problems with a correct
+sample, maj@k the fraction whose most frequent extracted answer (rewards.answer_key; ties:
+the first seen) is a correct one."""
 
 from __future__ import annotations
 
@@ -16,13 +21,15 @@ def decode_completions(tok: Tokenizer, rollout) -> list[str]:
     return [tok.decode(row) for row in completion_view(rollout, tok.pad_id)]
 
 
-def score(tok: Tokenizer, rollout, problems: list[Problem], format_reward: float = 0.0):
-    """Rewards of a rollout whose rows are `problems` repeated samples_per_prompt times."""
+def score(
+    tok: Tokenizer, rollout, problems: list[Problem], rewarder: rewards.Rewarder, where: str = ""
+) -> tuple[rewards.Scored, list[str]]:
+    """Rewards of a rollout whose rows are `problems` repeated samples_per_prompt times,
+    and the completions' text."""
     texts = decode_completions(tok, rollout)
     reps = len(texts) // len(problems)
-    answers = [p.answer for p in problems for _ in range(reps)]
-    graders = [getattr(p, "grader", "chain") for p in problems for _ in range(reps)]
-    return rewards.batch_rewards(texts, answers, format_reward, graders), texts
+    rows = [p for p in problems for _ in range(reps)]
+    return rewarder.score(rows, texts, where), texts
 
 
 class Evaluator:
@@ -40,13 +47,18 @@ class Evaluator:
         problems: list[Problem],
         spec: AttentionSpec = AttentionSpec(),
         batch_size: int = 64,
+        rewarder: rewards.Rewarder | None = None,
     ):
         self.sampler, self.tok, self.problems, self.spec = sampler, tok, problems, spec
+        self.rewarder = rewarder or rewards.Rewarder()
         self.batch_size = min(batch_size, len(problems))
         self.max_new = batches.completion_budget(task)
         self.prompt_width = batches.prompt_buffer(task)
 
-    def _accuracy(
+    def num_batches(self) -> int:
+        return -(-len(self.problems) // self.batch_size)
+
+    def samples(
         self,
         params,
         cfg: SamplingConfig,
@@ -54,9 +66,12 @@ class Evaluator:
         lora=None,
         lora_scale=1.0,
         spec: AttentionSpec | None = None,
-    ):
+        on_batch=None,
+    ) -> tuple[list[list[str]], np.ndarray]:
+        """(completions [P][k], rewards [P, k]) of cfg.samples_per_prompt samples of
+        every eval problem; on_batch() is called after each batch (progress)."""
         spec = self.spec if spec is None else spec
-        correct = []
+        texts, reward_rows = [], []
         for start in range(0, len(self.problems), self.batch_size):
             chunk = self.problems[start : start + self.batch_size]
             pad = self.batch_size - len(chunk)  # keep one static batch shape
@@ -65,17 +80,59 @@ class Evaluator:
             )
             key, sub = jax.random.split(key)
             rollout = self.sampler(params, prompts, lengths, sub, cfg, spec, lora, lora_scale)
-            r, _ = score(self.tok, rollout, chunk + chunk[:1] * pad)
-            correct.append(r.reshape(len(chunk) + pad, -1)[: len(chunk)])
-        return float(np.mean(np.concatenate(correct) == 1.0))
+            scored, t = score(self.tok, rollout, chunk + chunk[:1] * pad, self.rewarder, "eval")
+            k = len(t) // (len(chunk) + pad)
+            reward_rows.append(scored.rewards.reshape(len(chunk) + pad, k)[: len(chunk)])
+            texts += [t[i * k : (i + 1) * k] for i in range(len(chunk))]
+            if on_batch is not None:
+                on_batch()
+        return texts, np.concatenate(reward_rows)
 
-    def greedy(self, params, lora=None, lora_scale=1.0, spec: AttentionSpec | None = None) -> float:
-        cfg = SamplingConfig(
+    def _accuracy(self, params, cfg: SamplingConfig, key, lora=None, lora_scale=1.0, spec=None):
+        _, r = self.samples(params, cfg, key, lora, lora_scale, spec)
+        return float(np.mean(rewards.is_correct(r)))
+
+    def sampling_config(self, temperature: float, k: int = 1) -> SamplingConfig:
+        return SamplingConfig(
             max_new_tokens=self.max_new,
             eos_id=self.tok.eos_id,
             pad_id=self.tok.pad_id,
-            temperature=0.0,
+            temperature=temperature,
+            samples_per_prompt=k,
         )
+
+    def report(
+        self,
+        params,
+        k: int,
+        temperature: float,
+        key,
+        lora=None,
+        lora_scale=1.0,
+        spec: AttentionSpec | None = None,
+        on_batch=None,
+    ) -> dict:
+        """greedy_accuracy, and with k > 0 mean@k, maj@k and pass@k of one policy."""
+        kw = dict(lora=lora, lora_scale=lora_scale, spec=spec, on_batch=on_batch)
+        _, greedy = self.samples(params, self.sampling_config(0.0), jax.random.key(0), **kw)
+        out = {"greedy_accuracy": float(np.mean(rewards.is_correct(greedy)))}
+        if k:
+            texts, r = self.samples(params, self.sampling_config(temperature, k), key, **kw)
+            answers = [
+                [rewards.answer_key(p, t) for t in row] for p, row in zip(self.problems, texts)
+            ]
+            correct = rewards.is_correct(r)
+            out.update(
+                {
+                    f"mean_at_{k}": mean_at_k(correct),
+                    f"maj_at_{k}": maj_at_k(answers, correct),
+                    f"pass_at_{k}": pass_at_k(correct),
+                }
+            )
+        return out
+
+    def greedy(self, params, lora=None, lora_scale=1.0, spec: AttentionSpec | None = None) -> float:
+        cfg = self.sampling_config(0.0)
         return self._accuracy(params, cfg, jax.random.key(0), lora, lora_scale, spec)
 
     def mean_at_k(
@@ -88,11 +145,31 @@ class Evaluator:
         lora_scale=1.0,
         spec: AttentionSpec | None = None,
     ) -> float:
-        cfg = SamplingConfig(
-            max_new_tokens=self.max_new,
-            eos_id=self.tok.eos_id,
-            pad_id=self.tok.pad_id,
-            temperature=temperature,
-            samples_per_prompt=k,
-        )
+        cfg = self.sampling_config(temperature, k)
         return self._accuracy(params, cfg, key, lora, lora_scale, spec)
+
+
+def mean_at_k(correct_PxK) -> float:
+    return float(np.mean(correct_PxK))
+
+
+def pass_at_k(correct_PxK) -> float:
+    """The fraction of problems with at least one correct sample of their k."""
+    return float(np.mean(np.asarray(correct_PxK).any(axis=1)))
+
+
+def maj_at_k(answers_PxK: list[list[str | None]], correct_PxK) -> float:
+    """The fraction of problems whose most frequent answer (None: no answer, never voted;
+    ties: the first seen) belongs to a correct sample."""
+    hits = []
+    for answers, correct in zip(answers_PxK, np.asarray(correct_PxK)):
+        counts: dict[str, int] = {}
+        for a in answers:
+            if a is not None:
+                counts[a] = counts.get(a, 0) + 1
+        if not counts:
+            hits.append(False)
+            continue
+        top = max(counts, key=counts.get)  # dicts keep insertion order: ties -> first seen
+        hits.append(bool(correct[answers.index(top)]))
+    return float(np.mean(hits))

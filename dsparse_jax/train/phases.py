@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsparse_jax.data import batches
+from dsparse_jax.data import rewards as rewards_lib
 from dsparse_jax.data.math_task import Problem
 from dsparse_jax.data.sources import problems
 from dsparse_jax.parallel import sharding
@@ -64,6 +65,14 @@ class Generated(NamedTuple):
 
     problems: list[Problem]
     rollout: Rollout
+
+
+class Scored(NamedTuple):
+    """The score phase's output."""
+
+    rewards: np.ndarray  # [P * M], every process's rows
+    texts: list[str]  # this process's completions
+    local_rewards: np.ndarray  # this process's rows, aligned with texts
 
 
 class Selected(NamedTuple):
@@ -248,25 +257,38 @@ def rollout(ctx: RunContext, setup: RLSetup, st: TrainState, key, step: int):
     return Generated(batch_problems, r), {}
 
 
-def score(ctx: RunContext, setup: RLSetup, gen: Generated):
-    """Rewards of all M samples per prompt (numpy [P * M]); with a mesh each process
-    grades its own groups and the rewards are all-gathered (P * M floats)."""
-    fmt = ctx.config.task.format_reward
+def score(ctx: RunContext, setup: RLSetup, gen: Generated, step: int = 0):
+    """Rewards of all M samples per prompt (numpy [P * M]) and the completions' text; with
+    a mesh each process grades its own groups and the rewards are all-gathered (P * M
+    floats; the texts stay this process's)."""
     plan = setup.plan
-    if plan is None:
-        rewards = grade(ctx.tok, gen.rollout, gen.problems, fmt)[0]
-    else:
-        rewards = plan.gather_rows(
-            grade(ctx.tok, plan.local_rollout(gen.rollout), gen.problems, fmt)[0]
-        )
-    r = np.asarray(rewards)
+    local = gen.rollout if plan is None else plan.local_rollout(gen.rollout)
+    scored, texts = grade(ctx.tok, local, gen.problems, ctx.rewarder, f"RL step {step + 1}")
+    r = scored.rewards if plan is None else plan.gather_rows(scored.rewards)
+    r = np.asarray(r)
     ncomp = sharding.to_host(gen.rollout.completion_lengths)
-    return r, {
+    return Scored(r, texts, np.asarray(scored.rewards)), {
+        **scored.metrics,
         "reward": float(r.mean()),
-        "accuracy": float((r == 1.0).mean()),
+        "accuracy": float(rewards_lib.is_correct(r).mean()),
         "response_length_mean": float(ncomp.mean()),
         "response_length_max": int(ncomp.max()),
     }
+
+
+def sample_records(gen: Generated, scored: Scored, count: int) -> list[dict]:
+    """The first sample of each of the first `count` prompts: {prompt, completion, reward,
+    answer} (samples.jsonl)."""
+    m = len(scored.texts) // max(1, len(gen.problems))
+    return [
+        {
+            "prompt": p.prompt,
+            "completion": scored.texts[i * m],
+            "reward": float(scored.local_rewards[i * m]),
+            "answer": p.answer,
+        }
+        for i, p in enumerate(gen.problems[:count])
+    ]
 
 
 def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key, step: int):

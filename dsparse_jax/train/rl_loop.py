@@ -43,9 +43,19 @@ __all__ = ["RL_DATA_OFFSET", "evaluate", "init_state", "make_setup", "rl_step", 
 
 
 # ---------------------------------------------------------------------------------- one step
-def rl_step(ctx: RunContext, setup: RLSetup, st: TrainState, rng, step: int, ref_params=None):
+def rl_step(
+    ctx: RunContext,
+    setup: RLSetup,
+    st: TrainState,
+    rng,
+    step: int,
+    ref_params=None,
+    samples: list | None = None,
+):
     """One RL iteration; returns (new TrainState, metrics). With a mesh (setup.plan) every
-    jitted phase runs under it; each process makes its own block of prompts."""
+    jitted phase runs under it; each process makes its own block of prompts. `samples`, if
+    given, receives a few {prompt, completion, reward} records of this step's rollouts
+    (config.log.num_samples, this process's rows)."""
     with sharding.maybe_active(setup.plan):
         if setup.plan is not None:  # the same key on every process, replicated on the mesh
             rng = setup.plan.replicate(rng)
@@ -53,8 +63,10 @@ def rl_step(ctx: RunContext, setup: RLSetup, st: TrainState, rng, step: int, ref
         log = phases.PhaseLog()
         gen = log.run("rollout", phases.rollout, ctx, setup, st, k_roll, step)
         faults.maybe_kill("rl_rollout", step + 1)
-        rewards = log.run("score", phases.score, ctx, setup, gen)
-        sel = log.run("select", phases.select, ctx, setup, st, gen, rewards, k_select, step)
+        scored = log.run("score", phases.score, ctx, setup, gen, step)
+        if samples is not None:
+            samples.extend(phases.sample_records(gen, scored, ctx.config.log.num_samples))
+        sel = log.run("select", phases.select, ctx, setup, st, gen, scored.rewards, k_select, step)
         rec = log.run("recompute", phases.recompute, ctx, setup, st, sel, ref_params)
         params, opt_state = log.run(
             "update_theta", phases.update_theta, ctx, setup, st, rec, k_theta
@@ -134,6 +146,11 @@ def _restore(ckpt, latest: int, st: TrainState, rng):
     return _from_tree(tree, st)[:3]
 
 
+def restore_state(ckpt, step: int, st: TrainState) -> TrainState:
+    """theta (and phi) of the RL checkpoint at `step`; `st` is the template (init_state)."""
+    return _restore(ckpt, step, st, jax.random.key(0))[0]
+
+
 def _resume(ckpt, st: TrainState, rng, mode: str, prompts_per_step: int):
     """(state, rng, step, consecutive skips) from the newest usable checkpoint, if any."""
     try:
@@ -180,17 +197,20 @@ def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
     if step == 0:
         evaluate(ctx, setup, st, 0, writer, jax.random.key(ctx.config.seed + 2))
 
-    progress = Progress("rl", c.num_steps, start=step)
+    progress = Progress("rl", c.num_steps, start=step, every=ctx.config.log.every)
     while step < c.num_steps:
         rng, step_key = jax.random.split(rng)
-        st, m = rl_step(ctx, setup, st, step_key, step, ref_params)
+        samples: list[dict] = []
+        st, m = rl_step(ctx, setup, st, step_key, step, ref_params, samples)
         step += 1
+        writer.write_samples(step, samples)
         # A non-finite loss or gradient skipped the update (steps.apply_update).
         skipped = m["skipped_updates"] + m.get("phi_skipped_updates", 0.0) > 0
         skips = skips + 1 if skipped else 0
         m["consecutive_skipped_steps"] = skips
         writer.write("rl", step, m)
         if c.max_consecutive_skips and skips >= c.max_consecutive_skips:
+            progress.close()
             ckpt.close()
             raise SystemExit(
                 f"[rl] halted at step {step}: {skips} consecutive steps with a non-finite "
@@ -202,6 +222,7 @@ def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
             step, m, ("reward", "accuracy", "response_length_mean", "kl_exact", "time_step")
         )
         if step % ctx.config.eval.every == 0 or step == c.num_steps:
+            progress.close()
             evaluate(ctx, setup, st, step, writer, jax.random.fold_in(rng, 7))
         if step % ctx.config.checkpoint.every == 0 or step == c.num_steps:
             try:
@@ -211,8 +232,10 @@ def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
                     force=step == c.num_steps,
                 )
             except checkpoints.CheckpointError as e:  # non-finite state: never saved
+                progress.close()
                 ckpt.close()
                 raise SystemExit(f"[rl] halted at step {step}: {e}") from None
             faults.maybe_kill("rl_checkpoint", step)  # the write is still in flight
+    progress.close()
     ckpt.close()
     return st.params

@@ -70,13 +70,21 @@ def main(config, workdir: str, sft_only: bool = False) -> dict:
     pid = jax.process_index()
     log_dir = workdir if pid == 0 else os.path.join(workdir, f"process{pid}")
     os.makedirs(log_dir, exist_ok=True)
-    writer = MetricsWriter(log_dir, tensorboard=config.log.tensorboard)
+    wandb = None
+    if config.log.wandb and pid == 0:
+        wandb = {
+            "project": config.log.wandb_project,
+            "name": os.path.basename(os.path.abspath(workdir)),
+            "config": config.to_dict(),
+        }
+    writer = MetricsWriter(log_dir, tensorboard=config.log.tensorboard, wandb=wandb)
     try:
         sft_params, sft_acc = sft.warm_start(ctx, workdir, writer)
         if not sft_only:
             rl_loop.train_rl(ctx, workdir, sft_params, writer)
     finally:
         writer.close()
+        ctx.rewarder.close()
     evals = [r for r in read_metrics(log_dir) if r["phase"] == "eval"]
     summary = {
         "sft_greedy_accuracy": sft_acc,

@@ -30,6 +30,26 @@ def _optimizer(c):
     )
 
 
+def restore(ctx: RunContext, workdir: str, step: int | None = None):
+    """(params, step) of the SFT checkpoint at `step` (None: the newest) in <workdir>/sft,
+    or None if there is none."""
+    directory = os.path.join(workdir, "sft")
+    if not os.path.isdir(directory):
+        return None
+    ckpt = checkpoints.Checkpointer(workdir, "sft", keep=2)
+    try:
+        steps_ = ckpt.all_steps()
+        if not steps_ or (step is not None and step not in steps_):
+            return None
+        step = steps_[-1] if step is None else step
+        opt = _optimizer(ctx.config.sft).init(ctx.init_params)
+        template = checkpoints.to_saveable(ctx.init_params, opt, rng=jax.random.key(0), step=0)
+        tree = ckpt.restore(step, template)
+        return checkpoints.from_saveable(tree, ctx.init_params, opt)[0], step
+    finally:
+        ckpt.close()
+
+
 def _read_done(path: str) -> dict | None:
     """DONE.json, or None if absent or unreadable (then the cache is not trusted)."""
     if not os.path.exists(path):
@@ -83,7 +103,10 @@ def warm_start(ctx: RunContext, workdir: str, writer: MetricsWriter):
             accuracy = ctx.evaluator.greedy(params)
     writer.drop_after("sft", step)
 
-    progress = Progress("sft", c.max_steps, start=step)
+    # SFT stops at sft.target_accuracy, usually long before max_steps: the ETA is a bound.
+    progress = Progress(
+        "sft", c.max_steps, start=step, every=ctx.config.log.every, upper_bound=True
+    )
     t0 = time.time()
     skips, stage, width = 0, None, ctx.seq_width
     while step < c.max_steps and not (accuracy is not None and accuracy >= c.target_accuracy):
@@ -106,6 +129,7 @@ def warm_start(ctx: RunContext, workdir: str, writer: MetricsWriter):
         m = jax.device_get(m)
         skips = skips + 1 if m["skipped"] else 0
         if c.max_consecutive_skips and skips >= c.max_consecutive_skips:
+            progress.close()
             ckpt.close()
             raise SystemExit(
                 f"[sft] halted at step {step}: {skips} consecutive steps with a "
@@ -130,6 +154,7 @@ def warm_start(ctx: RunContext, workdir: str, writer: MetricsWriter):
         progress.update(step, m, ("loss", "eval_greedy_accuracy"))
         if accuracy is not None and accuracy >= c.target_accuracy:
             break
+    progress.close()
     ckpt.save(
         step,
         checkpoints.to_saveable(params, opt_state, rng=jax.random.key(0), step=step),

@@ -1,0 +1,140 @@
+"""Evaluate a trained policy without training: greedy accuracy, mean@k, maj@k and pass@k
+of the dense policy and of the sparse actor, on the run's eval data or any data source.
+
+  python launch/evaluate.py --workdir=runs/gemma_math [--step=N] [--k=4]
+      [--config.data.eval_source=parquet:/data/gsm8k/test.parquet ...] [--out=eval.json]
+  python launch/evaluate.py --checkpoint=HF_DIR --config=configs/gemma_real.py [--k=4]
+
+--workdir: the run's config.json and its RL checkpoint (the newest, or --step; without
+RL checkpoints, the SFT warm start); the sparse actor (sparse attention + phi) is
+evaluated where the run's rollout mode has one. --checkpoint: a Hugging Face directory
+(e.g. written by launch/export.py) with --config for the data and sampling; its
+"sparse" policy is sparse attention (config.sparse) without an adapter. Prints a table,
+writes JSON (--out, default <workdir>/eval_<source>.json, or eval.json next to the
+checkpoint), with a progress line while it samples. Same error convention as train.py.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from dsparse_jax.config import cli  # noqa: E402
+
+DEFAULT_CONFIG = "configs/gemma_math.py"
+
+
+def _config(args, path, overrides):
+    if args.workdir:
+        from dsparse_jax.train.trained import workdir_config
+
+        config = workdir_config(args.workdir)
+        for dotted, text in overrides.items():
+            cli.apply_override(config, dotted, text)
+        return config
+    config = cli.load_config(path or DEFAULT_CONFIG, overrides)
+    config.model.checkpoint_dir = args.checkpoint
+    config.sft.enabled = False  # nothing is trained here
+    return config
+
+
+def _policies(ctx, args):
+    """[(name, params, lora, lora_scale, spec)] to evaluate, and where they came from."""
+    from dsparse_jax.train import trained
+
+    if args.workdir:
+        t = trained.load(ctx, args.workdir, args.step)
+        out = [("dense", t.params, None, 1.0, ctx.spec)]
+        if t.setup.mode.has_twin:
+            out.append(("sparse_actor", t.params, t.lora, t.setup.lora_scale, t.setup.rollout_spec))
+        return out, t.source
+    return [
+        ("dense", ctx.init_params, None, 1.0, ctx.spec),
+        ("sparse", ctx.init_params, None, 1.0, ctx.rollout_spec),
+    ], args.checkpoint
+
+
+def table(results: dict) -> str:
+    """The policies x metrics table printed at the end."""
+    keys = list(next(iter(results.values())))
+    rows = [["policy"] + keys] + [[p] + [f"{m[k]:.3f}" for k in keys] for p, m in results.items()]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(keys) + 1)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def main(argv: list[str]) -> int:
+    path, overrides, rest = cli.split_config_args(argv)
+    p = cli.ArgumentParser(prog="evaluate.py", description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--workdir", help="a run directory (launch/train.py --workdir)")
+    src.add_argument("--checkpoint", help="a Hugging Face checkpoint directory")
+    p.add_argument("--step", type=int, default=None, help="--workdir: this checkpoint step")
+    p.add_argument("--k", type=int, default=None, help="samples per problem (eval.mean_at_k)")
+    p.add_argument("--out", default=None, help="JSON output path")
+    args = p.parse_args(rest)
+    if args.checkpoint and not os.path.isdir(args.checkpoint):
+        raise cli.UserError(f"--checkpoint: no such directory {args.checkpoint!r}")
+    if args.workdir and not os.path.isdir(args.workdir):
+        raise cli.UserError(f"--workdir: no such directory {args.workdir!r}")
+    config = _config(args, path, overrides)
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)
+    import jax
+
+    from dsparse_jax.config.validate import validate
+    from dsparse_jax.report.metrics import Progress
+    from dsparse_jax.train import context
+
+    validate(config)
+    ctx = context.build(config)
+    try:
+        policies, source = _policies(ctx, args)
+        k = config.eval.mean_at_k if args.k is None else args.k
+        per_policy = ctx.evaluator.num_batches() * (2 if k else 1)
+        progress = Progress("eval", per_policy * len(policies), every=1)
+        done = [0]
+
+        def tick():
+            done[0] += 1
+            progress.update(done[0], {})
+
+        results = {}
+        for name, params, lora, scale, spec in policies:
+            results[name] = ctx.evaluator.report(
+                params,
+                k,
+                config.rl.temperature,
+                jax.random.key(config.seed + 2),
+                lora=lora,
+                lora_scale=scale,
+                spec=spec,
+                on_batch=tick,
+            )
+        progress.close()
+    finally:
+        ctx.rewarder.close()
+    report = {
+        "source": source,
+        "data": config.data.eval_source or config.data.source,
+        "num_problems": len(ctx.evaluator.problems),
+        "k": k,
+        "temperature": config.rl.temperature,
+        "policies": results,
+    }
+    out = args.out or (
+        os.path.join(args.workdir, f"eval_{source.replace(' ', '_')}.json")
+        if args.workdir
+        else os.path.join(args.checkpoint, "eval.json")
+    )
+    with open(out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"[eval] {source}: {report['num_problems']} problems of {report['data']}, k={k}")
+    print(table(results))
+    print(f"[eval] wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

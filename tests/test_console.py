@@ -1,0 +1,71 @@
+"""The console and run logs: one self-rewriting progress line on a terminal, one line
+every log.every steps otherwise, the SFT ETA as an upper bound, samples.jsonl, and the
+optional Weights & Biases mirror (offline)."""
+
+import io
+import json
+import os
+
+import pytest
+
+from dsparse_jax.report.metrics import MetricsWriter, Progress
+
+
+def test_not_a_terminal_prints_every_n_steps_and_the_last():
+    out = io.StringIO()
+    p = Progress("rl", 7, every=3, stream=out)
+    assert not p.tty
+    for step in range(1, 8):
+        p.update(step, {"reward": 0.5}, ("reward",))
+    p.close()
+    lines = out.getvalue().splitlines()
+    assert [line.split()[2] for line in lines] == ["3/7", "6/7", "7/7"]
+    assert "reward 0.5" in lines[0] and "ETA" in lines[0] and "\r" not in out.getvalue()
+
+
+def test_a_terminal_gets_one_line_rewritten_in_place():
+    out = io.StringIO()
+    p = Progress("rl", 5, every=3, stream=out, tty=True)
+    for step in range(1, 6):
+        p.update(step, {})
+    assert "\n" not in out.getvalue() and out.getvalue().count("\r") == 5
+    p.close()
+    p.close()  # idempotent
+    assert out.getvalue().endswith("\n") and out.getvalue().count("\n") == 1
+
+
+def test_sft_eta_is_an_upper_bound():
+    p = Progress("sft", 1500, every=1, stream=io.StringIO(), upper_bound=True)
+    p.t0 -= 10.0  # 10 s for 10 steps: at most 1490 s left
+    assert "ETA <= 24m50s (may stop earlier)" in p.line(10, {})
+    q = Progress("rl", 1500, stream=io.StringIO())
+    q.t0 -= 10.0
+    assert "ETA 24m50s" in q.line(10, {})  # a loop that runs every step: a plain ETA
+
+
+def test_samples_jsonl_and_drop_after(tmp_path):
+    w = MetricsWriter(str(tmp_path), tensorboard=False)
+    for step in (1, 2, 3):
+        w.write_samples(step, [{"prompt": "p", "completion": f"c{step}", "reward": 1.0}])
+    w.drop_after("rl", 2)  # a resumed run redoes step 3
+    with open(tmp_path / "samples.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [(r["step"], r["completion"]) for r in rows] == [(1, "c1"), (2, "c2")]
+
+
+def test_wandb_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb not installed (optional)")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    w = MetricsWriter(
+        str(tmp_path),
+        tensorboard=False,
+        wandb={"project": "dsparse_test", "name": "t", "config": {"seed": 0}},
+    )
+    w.write("sft", 1, {"loss": 2.0})
+    w.write("rl", 1, {"reward": 0.5, "note": [1, 2]})
+    w.close()
+    runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
+    assert len(runs) == 1
+    files = os.listdir(tmp_path / "wandb" / runs[0])
+    assert any(f.endswith(".wandb") for f in files)
