@@ -238,10 +238,10 @@ def solve_names(prompt: str, cfg: mt.ChainTaskConfig) -> tuple[list[str], str]:
         sign, v = defs[name]
         total = (total + (v if sign == "+" else -v)) % cfg.modulus
         lead += 1 if sign == "+" else -1
-        lines.append(f"{name}{sign}{v} t={total}")
+        lines.append(f"{name}{sign}{v} :={total}")
         if cfg.agg_every and j % cfg.agg_every == 0:
             total = (total + (lead > 0)) % cfg.modulus
-            lines.append(f"vote={int(lead > 0)} t={total}")
+            lines.append(f"vote={int(lead > 0)} :={total}")
     return lines, str(total)
 
 

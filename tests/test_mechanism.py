@@ -40,7 +40,7 @@ def test_steps_sit_on_the_facts():
 
 
 def test_steps_of_the_names_order():
-    """order="names" ("k+7" definitions, "k+7 t=5" lines): the same steps and facts."""
+    """order="names" ("k+7" definitions, "k+7 :=5" lines): the same steps and facts."""
     cfg = mt.ChainTaskConfig(num_vars=9, num_terms=9, name_digits=0, agg_every=4, order="names")
     p = mt.make_problem(cfg, "train", 5, seed=0)
     text = _text(p)
@@ -114,6 +114,7 @@ def test_mechanism_script_end_to_end(tmp_path):
         "--config.task.agg_every=2",
         "--config.task.name_digits=0",
         "--config.sft.max_steps=2",
+        "--config.sft.curriculum=",
         "--config.sft.batch_size=4",
         "--config.sft.eval_every=2",
         "--config.eval.num_problems=4",

@@ -34,7 +34,8 @@ name_digits=2 allows 2600 terms, 10 tokens each.
 Switches for long chains (configs/mini_longchain.py uses letters=52, agg_every=4 and
 order="names"):
   letters = 52: names from a-z then A-Z, 52 single-token names (the tokenizer gains A-Z).
-  agg_every = A > 0: after every A-th term a vote line "vote=<v> t=<total>", where v = 1
+  agg_every = A > 0: after every A-th term a vote line "vote=<v> t=<total>" (":=" with
+    order="names"), where v = 1
     if strictly more '+' than '-' terms came so far, else 0, and v is added to the running
     total: a soft aggregate of every earlier sign, where a term line needs one exact
     lookup. Both feed the final answer.
@@ -43,14 +44,15 @@ order="names"):
     step, not a search); each definition carries its sign ("k-7") and the definitions are
     shuffled, so a line's sign and value are one induction-head lookup into a random page
     of the prompt. Each problem draws its '-' rate, 0.3 or 0.7, so the vote is rarely a
-    near tie. A term line is "<name><sign><value> t=<total>".
+    near tie. A term line is "<name><sign><value> :=<total>" (":=", not "t=": every
+    letter is a name here, and t's lookup must not match the totals).
   repeat_terms (order="sum"): the terms are drawn with replacement, so num_terms is not
     bounded by num_vars; a name may then recur on the sum line and the next term can no
     longer be found by matching the previous one (much harder to learn).
 
     order="names", agg_every=2:
     prompt:   "vars: c+4 a-7 b+2\n"
-    solution: "a-7 t=3\nb+2 t=5\nvote=0 t=5\nc+4 t=9\nanswer: 9"
+    solution: "a-7 :=3\nb+2 :=5\nvote=0 :=5\nc+4 :=9\nanswer: 9"
 A vote line is len("vote=") + 5 + d tokens (d digits of the total), so the solution has
 (7 + n + d) * num_terms + (10 + d) * (num_terms // agg_every) + 8 + d tokens.
 """
@@ -67,6 +69,11 @@ from dsparse_jax.data.tokenizer import Tokenizer, train_tokenizer
 NAME_LETTERS = string.ascii_lowercase + string.ascii_uppercase  # the first `letters` are used
 ANSWER_PREFIX = "answer: "
 VOTE_NAME = "vote"  # vote lines start with "vote=" (no term line does)
+# A line's running total follows this marker, per order. With order="names" every letter
+# is a variable name, so a "t=" marker would make the lookup of variable t ambiguous: an
+# induction head matching " t" found ~20 "t=" totals besides the one definition (the
+# miniature's SFT learned every lookup but t's; docs/miniature.md).
+TOTAL_MARK = {"sum": "t=", "names": ":="}
 SPLITS = {"train": 0, "eval": 1}
 # Every character any problem can contain (keywords only use lowercase letters).
 ALPHABET = string.ascii_lowercase + string.digits + "+-=: \n"
@@ -197,14 +204,15 @@ def make_problem(cfg: ChainTaskConfig, split: str, index: int, seed: int) -> Pro
     layout = _names_layout if cfg.order == "names" else _sum_layout
     prompt, terms = layout(cfg, rng)
     total, lines, lead = 0, [], 0  # lead: number of '+' terms minus '-' terms so far
+    mark = TOTAL_MARK[cfg.order]
     for j, (head, minus, value) in enumerate(terms, start=1):
         total = (total - value if minus else total + value) % cfg.modulus
-        lines.append(f"{head} t={total}")
+        lines.append(f"{head} {mark}{total}")
         lead += -1 if minus else 1
         if cfg.agg_every and j % cfg.agg_every == 0:
             vote = int(lead > 0)
             total = (total + vote) % cfg.modulus
-            lines.append(f"{VOTE_NAME}={vote} t={total}")
+            lines.append(f"{VOTE_NAME}={vote} {mark}{total}")
     answer = str(total)
     solution = "\n".join(lines) + "\n" + ANSWER_PREFIX + answer
     return Problem(prompt=prompt, solution=solution, answer=answer)
