@@ -15,7 +15,7 @@
 # bench_rollout on a random Gemma-3-1B-shaped model in bf16 (decode steps at 4k and 32k,
 # dense vs distillsparse, impl auto = the Triton kernel). Sum of the limits: 470 s.
 #
-# Files under $OUT (at most 8 come back): stages.json, env.json, tests.log,
+# Files under $OUT (at most 8 come back): stages.json, install.log, env.json, tests.log,
 # bench_kernels.json, bench_kernels.log, bench_rollout.json, bench_rollout.log.
 set -u
 cd "$(dirname "$0")/.."
@@ -89,6 +89,6 @@ stage rollout 180 "$OUT/bench_rollout.log" "$PY" launch/bench_rollout.py "${RARG
     --out "$OUT/bench_rollout.json"
 [ -f "$OUT/bench_rollout.json.partial" ] && [ ! -f "$OUT/bench_rollout.json" ] &&
     mv "$OUT/bench_rollout.json.partial" "$OUT/bench_rollout.json"
-rm -f "$OUT/install.log"
+
 echo "== stages"
 cat "$STAGES"
