@@ -272,6 +272,9 @@ def main(argv=None):
                 row["bandwidth_target_met"] = gbs / peak >= 0.6
             result["rows"].append(row)
             log(json.dumps(row))
+            if args.out:  # partial results survive a stage killed at its time limit
+                with open(args.out, "w") as f:
+                    json.dump(dict(result, partial=True), f, indent=1)
         del q, k, v
     emit(result, args.out)
     return 0

@@ -5,8 +5,9 @@
   python launch/bench_rollout.py --gen_lens=16384 --configs=dense,distillsparse:0 \
       --skip_steps --warmup=aot                               # 16k generation only
 
-Everything is measured in this process, on the tiny preset (dsparse_jax.model.config.tiny,
-vocab 64, f32, random weights): nothing here is estimated or extrapolated. JSON goes to
+Everything is measured in this process, with random weights, on the tiny preset by default
+(vocab 64, f32; --preset, --dtype and --impl pick another model, dtype and attention
+implementation): nothing here is estimated or extrapolated. JSON goes to
 stdout (and to --out), progress to stderr.
 
 Part 1, sampler throughput: B random prompts of ~prompt_len tokens (ragged, at most
@@ -120,6 +121,14 @@ def parse_args(argv=None):
     p.add_argument("--skip_steps", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--preset",
+        default="tiny",
+        help="model preset, random weights (tiny: vocab 64; others keep their vocabulary), "
+        "e.g. gemma3_1b on an accelerator",
+    )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--impl", default="xla", help="attention.impl (auto: the platform's kernel)")
+    p.add_argument(
         "--out",
         default="",
         help="also write the JSON here (throughput rows are also saved to "
@@ -135,13 +144,14 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------- helpers
-def spec_for(name: str, budget: int, page_size: int):
+def spec_for(name: str, budget: int, page_size: int, impl: str = "xla"):
     from dsparse_jax.attention.spec import AttentionSpec, SparseSpec
 
     if name == "dense":
-        return AttentionSpec(page_size=page_size)
+        return AttentionSpec(impl=impl, page_size=page_size)
     policy, dense_layers = name.split(":")
     return AttentionSpec(
+        impl=impl,
         page_size=page_size,
         sparse=SparseSpec(policy=policy, budget=budget, dense_layers=int(dense_layers)),
     )
@@ -203,7 +213,7 @@ def bench_throughput(model, args, configs, gen_lens, checkpoint=lambda rows: Non
         )
         dense_tps = None
         for name in configs:
-            spec = spec_for(name, args.budget, args.page_size)
+            spec = spec_for(name, args.budget, args.page_size, args.impl)
             tag = name + (f" grow {grow}" if grow else "")
             log(f"[throughput] gen={n} {tag}: compiling ...")
             row = {
@@ -331,7 +341,7 @@ def bench_steps(model, args, configs, contexts):
         names = by_ctx[ctx]
         live = {}
         for name in names:
-            spec = spec_for(name, args.budget, args.page_size)
+            spec = spec_for(name, args.budget, args.page_size, args.impl)
 
             def step(state, tokens, pos, caches, spec=spec):
                 logits, caches, _ = nnx.merge(graphdef, state).decode(tokens, pos, caches, spec)
@@ -414,7 +424,7 @@ def bench_twin(model, args, configs, lens):
         )
         dense_s = None
         for name in configs:
-            spec = spec_for(name, args.budget, args.page_size)
+            spec = spec_for(name, args.budget, args.page_size, args.impl)
             pages = None if spec.sparse is None else twin_pages(spec, model, b, t, args.prompt_len)
 
             def fwd(state, tokens, pages, spec=spec):
@@ -536,11 +546,12 @@ def main(argv=None):
     else:
         configs = ["dense"] + [f"{p}:{d}" for d in args.dense_layers.split(",") for p in POLICIES]
     for c in configs:
-        spec_for(c, args.budget, args.page_size)  # validate early
+        spec_for(c, args.budget, args.page_size, args.impl)  # validate early
     gen_lens = [int(x) for x in args.gen_lens.split(",") if x]
     contexts = [int(x) for x in args.step_contexts.split(",") if x]
 
-    cfg = model_config.tiny(vocab_size=64)
+    overrides = {"vocab_size": 64} if args.preset == "tiny" else {}
+    cfg = model_config.preset(args.preset, dtype=args.dtype, param_dtype=args.dtype, **overrides)
     model = Transformer(cfg, nnx.Rngs(args.seed))
     meta = {
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
@@ -555,7 +566,7 @@ def main(argv=None):
         "python": platform.python_version(),
         "loadavg_start": os.getloadavg(),
         "model": {
-            "preset": "tiny",
+            "preset": args.preset,
             "vocab_size": cfg.vocab_size,
             "params": count_params(model),
             "num_layers": cfg.num_layers,

@@ -16,6 +16,27 @@ from dsparse_jax.attention.spec import interpret_mode as default_interpret  # no
 SQUEEZED = pl.Squeezed() if hasattr(pl, "Squeezed") else None
 
 
+def tpu_page_size_error(page_size: int, dtype) -> str | None:
+    """Why the Pallas TPU decode kernels cannot run pages of `page_size` rows of `dtype`
+    (None if they can): a page is a (page_size, head_dim) VMEM tile, so page_size must be
+    a multiple of the sublane tile, 8 rows of 32 bits (16 for bf16). The one rule behind
+    both the kernels' own check and config validation (config/validate.py)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    sublanes = 8 * max(1, 4 // itemsize)
+    if page_size % sublanes:
+        return (
+            f"the Pallas TPU decode kernels read a page as a ({page_size}, head_dim) tile: on "
+            f"TPU page_size must be a multiple of {sublanes} for {jnp.dtype(dtype).name}"
+        )
+    return None
+
+
+def check_tpu_page_size(page_size: int, dtype) -> None:
+    error = tpu_page_size_error(page_size, dtype)
+    if error:
+        raise ValueError(error + " (use impl='xla' otherwise)")
+
+
 def tpu_compiler_params(semantics: tuple[str, ...]):
     """Mosaic compiler params for a grid with these dimension semantics."""
     from jax.experimental.pallas import tpu as pltpu

@@ -26,6 +26,7 @@ from dsparse_jax.attention.spec import LayerInfo
 from pallas_kernels.common import (
     MASK_VALUE,
     SQUEEZED,
+    check_tpu_page_size,
     default_interpret,
     online_softmax_step,
     softcap,
@@ -135,13 +136,8 @@ def _sparse_decode(
     g = n // kv
     if s % page_size:
         raise ValueError(f"cache length {s} is not a multiple of the page size {page_size}")
-    sublanes = 8 * max(1, 4 // jnp.dtype(k_BxKxSxH.dtype).itemsize)
-    if not interpret and page_size % sublanes:
-        raise ValueError(
-            f"the Pallas TPU decode kernel reads one page as a ({page_size}, {h}) "
-            f"block: on TPU page_size must be a multiple of {sublanes} for "
-            f"{jnp.dtype(k_BxKxSxH.dtype).name} (use impl='xla' otherwise)"
-        )
+    if not interpret:
+        check_tpu_page_size(page_size, k_BxKxSxH.dtype)
     p = page_ids_BxKxP.shape[-1]
     steps = pl.cdiv(p, pages_per_step)
     slots = steps * pages_per_step

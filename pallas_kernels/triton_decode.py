@@ -305,6 +305,102 @@ def sparse_decode_attention(
     return combine_splits(acc, m, l).reshape(b, n, h).astype(v_BxKxSxH.dtype)
 
 
+NUM_STAGES = 2  # software-pipelining depth of the page loop
+
+
+def kernel_constants(cfg: LaunchConfig, kv, g, h, s, p, page_size, layer: LayerInfo, f32: bool):
+    """The kernel's constexpr arguments for one launch (one source for the jax-triton
+    launch and the ahead-of-time compile)."""
+    return dict(
+        KV=kv,
+        G=g,
+        H=h,
+        S=s,
+        P=p,
+        PAGE=page_size,
+        PAGE_PAD=cfg.page_pad,
+        PAGES_PER_SPLIT=cfg.pages_per_split,
+        PAGES_PER_ITER=cfg.pages_per_iter,
+        ITERS=cfg.iters,
+        NUM_SPLITS=cfg.num_splits,
+        BLOCK_N=cfg.block_n,
+        BLOCK_G=cfg.block_g,
+        BLOCK_H=cfg.block_h,
+        CAP=float(layer.softcap or 0.0),
+        WINDOW=int(layer.window or 0),
+        PRECISION="ieee" if f32 else "tf32",
+        MASK=MASK_VALUE,
+    )
+
+
+def compile_for_gpu(
+    batch, kv, group, head_dim, seq_len, slots, page_size, layer: LayerInfo, dtype, capability=90
+):
+    """Compiles the kernel ahead of time for an NVIDIA GPU of this compute capability (no
+    GPU needed: triton.compile with a GPUTarget), for the launch the dispatch makes at
+    these shapes. Returns the launch config and what the compiler reports: shared memory
+    (bytes), registers per thread and spilled bytes (read from the cubin with the
+    cuobjdump that ships with triton; None where it is missing)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cfg = launch_config(batch, kv, group, head_dim, slots, page_size)
+    elem = {jnp.dtype(jnp.float32): "fp32", jnp.dtype(jnp.bfloat16): "bf16"}[jnp.dtype(dtype)]
+    f32 = elem == "fp32"
+    consts = kernel_constants(cfg, kv, group, head_dim, seq_len, slots, page_size, layer, f32)
+    fn = _kernel()
+    pointers = {
+        "q_ptr": f"*{elem}",
+        "k_ptr": f"*{elem}",
+        "v_ptr": f"*{elem}",
+        "pos_ptr": "*i32",
+        "ids_ptr": "*i32",
+        "o_ptr": "*fp32",
+        "m_ptr": "*fp32",
+        "l_ptr": "*fp32",
+    }
+    signature = {name: pointers.get(name, "constexpr") for name in fn.arg_names}
+    compiled = triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=consts),
+        target=GPUTarget("cuda", capability, 32),
+        options={"num_warps": cfg.num_warps, "num_stages": NUM_STAGES},
+    )
+    return cfg, {
+        "shared_bytes": int(compiled.metadata.shared),
+        "num_warps": cfg.num_warps,
+        **_cubin_resources(compiled.asm["cubin"]),
+    }
+
+
+def _cubin_resources(cubin: bytes) -> dict:
+    """Registers per thread and spilled bytes of a cubin, from `cuobjdump
+    --dump-resource-usage` (triton's own copy); None where it cannot be run."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            text = subprocess.run(
+                [tool, "--dump-resource-usage", f.name], capture_output=True, text=True, timeout=60
+            ).stdout
+        except OSError:
+            text = ""
+    regs = re.search(r"REG:(\d+)", text)
+    spill = re.search(r"STACK:(\d+)", text)
+    return {
+        "registers": int(regs.group(1)) if regs else None,
+        "stack_bytes": int(spill.group(1)) if spill else None,
+    }
+
+
 def split_partials(
     q_BxNxH,
     k_BxKxSxH,
@@ -349,24 +445,7 @@ def split_partials(
         },
         grid=cfg.grid,
         num_warps=cfg.num_warps,
-        num_stages=2,
-        KV=kv,
-        G=g,
-        H=h,
-        S=s,
-        P=p,
-        PAGE=page_size,
-        PAGE_PAD=cfg.page_pad,
-        PAGES_PER_SPLIT=cfg.pages_per_split,
-        PAGES_PER_ITER=cfg.pages_per_iter,
-        ITERS=cfg.iters,
-        NUM_SPLITS=cfg.num_splits,
-        BLOCK_N=cfg.block_n,
-        BLOCK_G=cfg.block_g,
-        BLOCK_H=cfg.block_h,
-        CAP=float(layer.softcap or 0.0),
-        WINDOW=int(layer.window or 0),
-        PRECISION="ieee" if f32 else "tf32",
-        MASK=MASK_VALUE,
+        num_stages=NUM_STAGES,
+        **kernel_constants(cfg, kv, g, h, s, p, page_size, layer, f32),
     )
     return acc, m, l

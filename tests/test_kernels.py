@@ -24,7 +24,7 @@ import pytest
 from dsparse_jax.attention import api, dense, selection, sparse
 from dsparse_jax.attention.selection import NO_PAGE
 from dsparse_jax.attention.spec import IMPLS, AttentionSpec, LayerInfo, SparseSpec, interpret_mode
-from pallas_kernels import common, sparse_decode, sparse_train, triton_decode
+from pallas_kernels import common, paged_decode, sparse_decode, sparse_train, triton_decode
 
 F32_TOL = 2e-5  # kernel vs reference, f32: online vs two-pass softmax rounding
 BF16_TOL = 2e-2  # bf16 inputs (probabilities rounded to bf16 before P @ V)
@@ -99,6 +99,67 @@ def test_pallas_sparse_decode_bf16_and_window():
     got = sparse_decode.sparse_decode_attention(q, k, v, pos_B, all_ids, win, 4, interpret=True)
     want = dense.decode_attention(q, k, v, pos_B, win)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=F32_TOL, rtol=0)
+
+
+# The multi-page DMA kernel: pages per step below, equal to and above the budget (the
+# last group then repeats ids, masked), and the race-checking TPU interpreter once.
+PAGED_CASES = {"gqa2_softcap": 3, "mqa4_two_pages_per_step": 8, "mha_odd_slots": 2}
+STOCK_TOL = 1e-2  # jax's stock paged_attention in TPU interpret mode: ~5e-3 off float64
+
+
+@pytest.mark.parametrize("case", list(PAGED_CASES))
+def test_paged_decode_matches_reference(case):
+    b, kv, g, h, ps, n_pages, slots, pos, cap, _ = DECODE_CASES[case]
+    q, k, v, pos_B, ids = decode_case(0, b, kv, g, h, ps, n_pages, slots, pos)
+    layer = LayerInfo(index=1, window=None, softcap=cap, scale=0.4)
+    want = sparse.sparse_decode_attention(q, k, v, pos_B, ids, layer, ps)
+    got = paged_decode.sparse_decode_attention(
+        q, k, v, pos_B, ids, layer, ps, pages_per_step=PAGED_CASES[case], interpret=True
+    )
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=F32_TOL, rtol=0)
+
+
+def test_paged_decode_tpu_interpreter_and_stock_paged_attention():
+    """The DMA kernel under Pallas' TPU interpreter (simulated DMAs and semaphores, race
+    detection: the double buffer's start/wait order) equals the reference; jax's stock
+    paged_attention kernel fed with the selected pages (each (sequence, KV head) as one
+    sequence of its sorted pages, its length the visible keys) gives the same output."""
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    b, kv, g, h, ps, n_pages, slots, pos, cap, _ = DECODE_CASES["mqa4_two_pages_per_step"]
+    q, k, v, pos_B, ids = decode_case(3, b, kv, g, h, ps, n_pages, slots, pos)
+    layer = LayerInfo(index=1, window=None, softcap=cap, scale=0.4)
+    want = sparse.sparse_decode_attention(q, k, v, pos_B, ids, layer, ps)
+    params = pltpu.InterpretParams(detect_races=True)
+    with pltpu.force_tpu_interpret_mode(params):
+        got = paged_decode.sparse_decode_attention(
+            q, k, v, pos_B, ids, layer, ps, pages_per_step=2, interpret=False
+        )
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=F32_TOL, rtol=0)
+    try:  # the interpreter's race report (private; its place may move between versions)
+        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interp
+    except ImportError:
+        tpu_interp = None
+    races = getattr(tpu_interp, "races", None)
+    assert races is None or not races.races_found
+
+    num = k.shape[2] // ps
+    fetch, n_valid = common.sorted_page_slots(ids)  # the current page is the last valid one
+    rows = jnp.arange(b * kv).reshape(b, kv, 1)
+    lengths = jnp.where(n_valid > 0, (n_valid - 1) * ps + (pos_B % ps + 1)[:, None], 0)
+    with pltpu.force_tpu_interpret_mode():
+        stock = paged_attention(
+            (q.reshape(b, kv, g, h) * layer.scale).reshape(b * kv, g, h),
+            k.reshape(1, b * kv * num, ps, h),
+            v.reshape(1, b * kv * num, ps, h),
+            lengths.reshape(-1).astype(jnp.int32),
+            (rows * num + fetch).reshape(b * kv, -1),
+            attn_logits_soft_cap=layer.softcap,
+            pages_per_compute_block=1,
+        )
+    stock = np.asarray(stock).reshape(b, kv * g, h)
+    np.testing.assert_allclose(stock, np.asarray(got), atol=STOCK_TOL, rtol=0)
 
 
 def test_pallas_kernels_lower_for_tpu():

@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import functools
 
-import jax
-
 from dsparse_jax.attention import dense, selection, sparse
-from dsparse_jax.attention.spec import AttentionSpec, LayerInfo, interpret_mode
+from dsparse_jax.attention.spec import AttentionSpec, LayerInfo, interpret_mode, target_platform
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,12 +37,24 @@ def resolve_impl(impl: str, platform: str | None = None) -> str:
     """The implementation that runs for `impl` on `platform` (default: jax's backend)."""
     if impl != "auto":
         return impl
-    platform = platform or jax.default_backend()
+    platform = platform or target_platform()
     if platform == "tpu":
         return "pallas_tpu"
     if platform == "gpu" and _gpu_kernels_available():
         return "triton_gpu"
     return "xla"
+
+
+def kernel_shape_error(impl: str, page_size: int, dtype) -> str | None:
+    """Why the kernels of `impl` cannot run pages of `page_size` tokens of `dtype` (None if
+    they can): config validation reports it before anything is compiled. Only pallas_tpu
+    has such a rule (its page tiles); auto resolves to it on TPU only, so it is checked
+    where the platform is known, when the kernel is traced."""
+    if impl != "pallas_tpu":
+        return None
+    from pallas_kernels import common
+
+    return common.tpu_page_size_error(page_size, dtype)
 
 
 def attend_sequence(
@@ -80,9 +90,9 @@ def sparse_decode(
     """Block-sparse decode attention over the selected pages, by implementation."""
     impl = resolve_impl(spec.impl)
     if impl == "pallas_tpu":
-        from pallas_kernels import sparse_decode
+        from pallas_kernels import paged_decode
 
-        return sparse_decode.sparse_decode_attention(
+        return paged_decode.sparse_decode_attention(
             q_BxNxH,
             k_BxKxSxH,
             v_BxKxSxH,

@@ -7,6 +7,7 @@ trace of the same model code, never an edit of the model.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -15,10 +16,31 @@ IMPLS = ("auto", "xla", "pallas_tpu", "triton_gpu")
 POLICIES = ("distillsparse", "quest", "streaming")
 
 
+_LOWERING_PLATFORM: list[str] = []  # set by lowering_for(): the platform traced for
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str):
+    """Trace for `platform` instead of jax's backend, e.g. "tpu" on a CPU host, to lower the
+    Pallas kernels with Mosaic: `with lowering_for("tpu"):
+    jax.jit(f).trace(*shapes).lower(lowering_platforms=("tpu",))`. Trace a fresh function
+    inside (jax caches traces, and this setting is not part of the cache key)."""
+    _LOWERING_PLATFORM.append(platform)
+    try:
+        yield
+    finally:
+        _LOWERING_PLATFORM.pop()
+
+
+def target_platform() -> str:
+    """The platform code is traced for: lowering_for()'s, else jax's default backend."""
+    return _LOWERING_PLATFORM[-1] if _LOWERING_PLATFORM else jax.default_backend()
+
+
 def interpret_mode() -> bool:
     """Pallas TPU kernels compile with Mosaic on TPU and run interpreted elsewhere (read by
     the dispatcher in api.py and by the kernels in pallas_kernels/)."""
-    return jax.default_backend() != "tpu"
+    return target_platform() != "tpu"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ import math
 import os
 import re
 
+from dsparse_jax.attention import api
 from dsparse_jax.attention.spec import IMPLS, POLICIES
 from dsparse_jax.config import schema
 from dsparse_jax.errors import UserError
@@ -150,6 +151,9 @@ def validate(c) -> None:
         f"must be <= task.num_vars ({c.task.num_vars}) unless task.repeat_terms",
     )
     _check(c.attention.impl in IMPLS, "attention.impl", f"must be one of {IMPLS}")
+    # The KV cache is in the compute dtype (model.dtype).
+    error = api.kernel_shape_error(c.attention.impl, c.attention.page_size, c.model.dtype)
+    _check(error is None, "attention.page_size", f"{error} (model.dtype {c.model.dtype})")
     for f in ("sft.learning_rate", "rl.learning_rate", "rl.max_grad_norm", "sft.max_grad_norm"):
         _lr(c, f)
     for f in (

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The prepared accelerator check (docs/kernels.md, "Device check"): one script, at most
+# ~8 minutes on an H200, every stage under its own `timeout`, results as JSON under $OUT
+# (written as each stage goes, so a stage killed at its limit still leaves the others').
+#
+#   bash launch/device_check.sh             # on the GPU machine ($OUT set by the tool)
+#   bash launch/device_check.sh --dry-run   # here, on CPU: every stage at toy size
+#
+# Stages (seconds allowed): install (30) the carried wheels in .whl/ (jax-triton,
+# ml-collections: what the H200 image lacks; its jax 0.11, flax, optax, orbax, triton
+# are used as they are; launch/fetch_device_wheels.sh downloads them); env (20); tests
+# (90) the GPU-only tests (jax-triton kernel vs
+# the reference, sm_90 compile); kernels (150) bench_kernels at 4k-128k x budgets
+# 16/32/64 pages (GB/s vs HBM peak, sparse vs dense decode); rollout (180)
+# bench_rollout on a random Gemma-3-1B-shaped model in bf16 (decode steps at 4k and 32k,
+# dense vs distillsparse, impl auto = the Triton kernel). Sum of the limits: 470 s.
+#
+# Files under $OUT (at most 8 come back): stages.json, install.log, env.json, tests.log,
+# bench_kernels.json, bench_kernels.log, bench_rollout.json, bench_rollout.log.
+set -u
+cd "$(dirname "$0")/.."
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
+OUT=${OUT:-/tmp/device_check}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+STAGES="$OUT/stages.json"
+echo "[]" >"$STAGES"
+
+stage() { # stage NAME SECONDS LOG COMMAND...: run under timeout, append {name, rc, s}
+    local name=$1 limit=$2 logf=$3
+    shift 3
+    local t0=$SECONDS
+    echo "== $name (limit ${limit}s): $*"
+    timeout -k 5 "$limit" "$@" >"$logf" 2>&1
+    local rc=$?
+    tail -n 5 "$logf"
+    "$PY" - "$STAGES" "$name" "$rc" "$((SECONDS - t0))" "$limit" <<'EOF'
+import json, sys
+path, name, rc, s, limit = sys.argv[1:]
+stages = json.load(open(path))
+stages.append({"stage": name, "rc": int(rc), "seconds": int(s), "limit_s": int(limit),
+               "timed_out": int(rc) in (124, 137)})
+json.dump(stages, open(path, "w"), indent=1)
+EOF
+}
+
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    stage install 30 "$OUT/install.log" "$PY" -m pip install -q --no-index --no-deps \
+        --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+
+stage env 20 "$OUT/env.json" "$PY" -c '
+import json, platform, subprocess, jax
+try:
+    import triton; tv = triton.__version__
+except ImportError: tv = None
+try:
+    import jax_triton; jtv = getattr(jax_triton, "__version__", "?")
+except ImportError as e: jtv = "missing: %s" % e
+smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,clocks.max.sm,driver_version",
+                      "--format=csv,noheader"], capture_output=True, text=True).stdout.strip() \
+      if __import__("shutil").which("nvidia-smi") else None
+print(json.dumps({"python": platform.python_version(), "jax": jax.__version__,
+                  "backend": jax.default_backend(), "devices": [d.device_kind for d in jax.devices()],
+                  "triton": tv, "jax_triton": jtv, "nvidia_smi": smi}, indent=1))'
+
+if [ $DRY = 1 ]; then
+    TESTS=(tests/test_kernels.py::test_dispatch_resolution_and_errors)
+    KARGS=(--contexts 4096 --budgets 16 --force_cpu_timing --batch 1 --kv_heads 1 --reps 2 --warmup 1 --dtype float32)
+    RARGS=(--preset tiny --dtype float32 --configs dense,distillsparse:0 --skip_throughput
+        --step_contexts 1024 --step_rounds 1 --step_reps 2 --floor_step 0)
+else
+    TESTS=(tests/test_kernels.py tests/test_triton_compile.py -k "triton and not interpreter")
+    KARGS=(--contexts 4096,8192,16384,32768,65536,131072 --budgets 16,32,64 --reps 20 --warmup 3)
+    RARGS=(--preset gemma3_1b --dtype bfloat16 --impl auto --configs dense,distillsparse:0
+        --batch 16 --skip_throughput --step_contexts 4096,32768 --step_rounds 3
+        --step_reps 10 --budget 32)
+fi
+
+stage tests 90 "$OUT/tests.log" "$PY" -m pytest -q -p no:cacheprovider -rs "${TESTS[@]}"
+stage kernels 150 "$OUT/bench_kernels.log" "$PY" launch/bench_kernels.py "${KARGS[@]}" \
+    --out "$OUT/bench_kernels.json"
+stage rollout 180 "$OUT/bench_rollout.log" "$PY" launch/bench_rollout.py "${RARGS[@]}" \
+    --out "$OUT/bench_rollout.json"
+[ -f "$OUT/bench_rollout.json.partial" ] && [ ! -f "$OUT/bench_rollout.json" ] &&
+    mv "$OUT/bench_rollout.json.partial" "$OUT/bench_rollout.json"
+
+echo "== stages"
+cat "$STAGES"
