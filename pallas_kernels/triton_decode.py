@@ -38,9 +38,25 @@ class TritonUnavailableError(RuntimeError):
     pass
 
 
+def _jax_triton_compat() -> None:
+    """jax-triton 0.4.1 (the release for jax 0.11) imports TMA_TF32 from triton's NVIDIA
+    driver, which triton 3.6 (the H200 image's) lacks; jax-triton then stubs out the whole
+    CUDA backend and every launch fails ("'_Stub' object has no attribute 'backend'",
+    seen on the H200). The constant is only read for TMA tensor descriptors rounded to
+    tf32, which these kernels never use: an invalid placeholder makes such a use fail
+    (KeyError) rather than pass silently."""
+    try:
+        import triton.backends.nvidia.driver as driver
+    except ImportError:
+        return
+    if not hasattr(driver, "TMA_TF32"):
+        driver.TMA_TF32 = -1
+
+
 def require_triton():
     """Imports triton and jax_triton, or raises a clear error naming the missing extra."""
     try:
+        _jax_triton_compat()
         import jax_triton  # noqa: F401
         import triton  # noqa: F401
     except ImportError as e:
