@@ -12,7 +12,7 @@
 # (90) the GPU-only tests (jax-triton kernel vs
 # the reference, sm_90 compile); kernels (150) bench_kernels at 4k-128k x budgets
 # 16/32/64 pages (GB/s vs HBM peak, sparse vs dense decode); rollout (180)
-# bench_rollout on a random Gemma-3-1B-shaped model in bf16 (decode steps at 4k and 32k,
+# bench_rollout on a random Gemma-3-1B-shaped model in bf16 (decode steps at 4k and 16k,
 # dense vs distillsparse, impl auto = the Triton kernel). Sum of the limits: 470 s.
 #
 # Files under $OUT (at most 8 come back): stages.json, install.log, env.json, tests.log,
@@ -71,18 +71,20 @@ print(json.dumps({"python": platform.python_version(), "jax": jax.__version__,
 
 if [ $DRY = 1 ]; then
     TESTS=(tests/test_kernels.py::test_dispatch_resolution_and_errors)
+    TEST_PLATFORMS=cpu
     KARGS=(--contexts 4096 --budgets 16 --force_cpu_timing --batch 1 --kv_heads 1 --reps 2 --warmup 1 --dtype float32)
     RARGS=(--preset tiny --dtype float32 --configs dense,distillsparse:0 --skip_throughput
         --step_contexts 1024 --step_rounds 1 --step_reps 2 --floor_step 0)
 else
     TESTS=(tests/test_kernels.py tests/test_triton_compile.py -k "triton and not interpreter")
+    TEST_PLATFORMS=cuda # tests/conftest.py defaults to cpu, which skips the GPU tests
     KARGS=(--contexts 4096,8192,16384,32768,65536,131072 --budgets 16,32,64 --reps 20 --warmup 3)
     RARGS=(--preset gemma3_1b --dtype bfloat16 --impl auto --configs dense,distillsparse:0
-        --batch 16 --skip_throughput --step_contexts 4096,32768 --step_rounds 3
+        --batch 16 --skip_throughput --step_contexts 4096,16384 --step_rounds 3
         --step_reps 10 --budget 32)
 fi
 
-stage tests 90 "$OUT/tests.log" "$PY" -m pytest -q -p no:cacheprovider -rs "${TESTS[@]}"
+stage tests 90 "$OUT/tests.log" env JAX_PLATFORMS=$TEST_PLATFORMS "$PY" -m pytest -q -p no:cacheprovider -rs "${TESTS[@]}"
 stage kernels 150 "$OUT/bench_kernels.log" "$PY" launch/bench_kernels.py "${KARGS[@]}" \
     --out "$OUT/bench_kernels.json"
 stage rollout 180 "$OUT/bench_rollout.log" "$PY" launch/bench_rollout.py "${RARGS[@]}" \
