@@ -99,7 +99,7 @@ def test_main_job_runs_writes_and_resumes(tmp_path):
     assert all({"prompt", "completion", "reward", "answer"} <= set(s) for s in samples)
     # Not a terminal: a progress line every log.every (10) steps and at the last step only.
     progress = [l for l in first.stderr.splitlines() if l.startswith(("[rl] ", "[sft] "))]
-    assert [l.split()[2] for l in progress] == ["2/2", "2/2"], progress
+    assert [l.split()[2] for l in progress] == ["3/3", "2/2"], progress
     assert "ETA <= " in progress[0] and "\r" not in first.stderr
 
     second = _train(wd, "--config.rl.num_steps=3", *sft)
