@@ -390,7 +390,9 @@ class _NumpyTensor:
             return "torch." + self.name
 
     def __init__(self, arr):
-        self.arr = np.ascontiguousarray(arr)
+        # An owned copy: with the suite's XLA_FLAGS, read-only views of XLA's CPU buffers
+        # came back as zeros from the interpreter (CI failure of stop 28).
+        self.arr = np.array(arr, copy=True, order="C")
         self.dtype = self._Name({np.float32: "float32", np.int32: "int32"}[self.arr.dtype.type])
 
     def data_ptr(self):
