@@ -126,3 +126,9 @@ def attend_decode(q_BxNxH, cache: dict, pos_B, layer: LayerInfo, spec: Attention
     )
     out = sparse_decode(q_BxNxH, cache["k"], cache["v"], pos_B, page_ids, layer, spec)
     return out, page_ids
+
+
+def attend_extend(q_BxTxNxH, cache: dict, pos_BxT, layer: LayerInfo):
+    """T consecutive queries per row over the (already written) cache, dense (the
+    speculative verifier; no kernel dispatch yet: the XLA path on every backend)."""
+    return dense.extend_attention(q_BxTxNxH, cache["k"], cache["v"], pos_BxT, layer)

@@ -73,6 +73,36 @@ def write_decode(
     return new
 
 
+def write_extend(cache: dict, k_BxTxKxH, v_BxTxKxH, pos_BxT) -> dict:
+    """Writes T consecutive tokens per sequence at positions pos_BxT (a speculative
+    verify). Keys and values only: positions past the buffer are dropped, and the page
+    summaries are left to `refresh_summaries` once the caller knows which positions hold
+    accepted tokens."""
+    rows = jnp.arange(k_BxTxKxH.shape[0])[:, None]
+    new = dict(cache)
+    for name, x in (("k", k_BxTxKxH), ("v", v_BxTxKxH)):
+        x_BxTxKxH = x.astype(cache[name].dtype)
+        new[name] = cache[name].at[rows, :, pos_BxT].set(x_BxTxKxH, mode="drop")
+    return new
+
+
+def refresh_summaries(
+    cache: dict, first_pos_B, num_pos: int, length_B, layer: LayerInfo, spec: AttentionSpec
+) -> dict:
+    """Recomputes the summaries of the pages holding positions [first_pos_B, first_pos_B +
+    num_pos) from the keys at positions < length_B: entries a speculative step wrote and
+    then rejected leave no trace in page selection."""
+    if not spec.is_sparse_layer(layer):
+        return cache
+    new = dict(cache)
+    new.update(
+        selection.summarize_pages(
+            spec.sparse.policy, cache, first_pos_B, num_pos, length_B, spec.page_size
+        )
+    )
+    return new
+
+
 def grow_layer_cache(cache: dict, max_len: int, page_size: int) -> dict:
     """The same cache in a longer buffer of max_len positions: keys and values padded along
     the position axis, page summaries along the page axis, with the zeros init_layer_cache

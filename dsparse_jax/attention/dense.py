@@ -156,3 +156,22 @@ def decode_attention(q_BxNxH, k_BxKxSxH, v_BxKxSxH, pos_B, layer: LayerInfo):
     probs = jax.nn.softmax(logits, axis=2).astype(v_BxKxSxH.dtype)
     out = jnp.einsum("bksg,bksh->bkgh", probs, v_BxKxSxH)
     return out.reshape(b, n, h)
+
+
+def extend_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, pos_BxT, layer: LayerInfo):
+    """T consecutive queries per row against the (already written) cache: the query at
+    pos_BxT[b, t] attends to cache entries <= its position (and inside the window of a
+    sliding-window layer). The multi-token step a speculative verify runs; with T = 1 it
+    is decode_attention over the whole buffer (equal up to float rounding)."""
+    b, t, n, h = q_BxTxNxH.shape
+    kv, s = k_BxKxSxH.shape[1], k_BxKxSxH.shape[2]
+    q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, kv, n // kv, h) * layer.scale
+    logits = jnp.einsum(
+        "bksh,btkgh->bktgs", k_BxKxSxH, q_BxTxKxGxH, preferred_element_type=jnp.float32
+    )
+    logits = softcap(logits, layer.softcap)
+    ok = visible_mask(pos_BxT[:, :, None], jnp.arange(s)[None, None, :], layer.window)
+    logits = jnp.where(ok[:, None, :, None, :], logits.astype(jnp.float32), MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v_BxKxSxH.dtype)
+    out = jnp.einsum("bktgs,bksh->btkgh", probs, v_BxKxSxH)
+    return out.reshape(b, t, n, h)

@@ -60,6 +60,17 @@ def init_summaries(policy: str, batch: int, kv_heads: int, num_pages: int, head_
     return {}
 
 
+def _page_summaries(policy: str, k_BxKxPxSxH, valid) -> dict:
+    """Summaries of whole pages from their keys; `valid` (broadcastable to the keys) masks
+    the positions that hold no key yet. A page without keys summarises to zeros."""
+    if policy == "distillsparse":
+        return {"ksum": jnp.where(valid, k_BxKxPxSxH, 0).sum(3)}
+    any_valid = valid.any(3)
+    kmin = jnp.where(valid, k_BxKxPxSxH, jnp.inf).min(3)
+    kmax = jnp.where(valid, k_BxKxPxSxH, -jnp.inf).max(3)
+    return {"kmin": jnp.where(any_valid, kmin, 0), "kmax": jnp.where(any_valid, kmax, 0)}
+
+
 def summarize_prefill(policy: str, cache: dict, k_BxKxTxH, lengths_B, page_size: int) -> dict:
     """Page summaries of a right-padded prompt batch (positions >= length ignored)."""
     if policy == "streaming":
@@ -70,16 +81,34 @@ def summarize_prefill(policy: str, cache: dict, k_BxKxTxH, lengths_B, page_size:
     n = (t + pad) // page_size
     k_BxKxPxSxH = k.reshape(b, kv, n, page_size, h)
     valid = (jnp.arange(t + pad) < lengths_B[:, None]).reshape(b, 1, n, page_size, 1)
-    out = {}
-    if policy == "distillsparse":
-        out["ksum"] = cache["ksum"].at[:, :, :n].set(jnp.where(valid, k_BxKxPxSxH, 0).sum(3))
-    else:
-        any_valid = valid.any(3)
-        kmin = jnp.where(valid, k_BxKxPxSxH, jnp.inf).min(3)
-        kmax = jnp.where(valid, k_BxKxPxSxH, -jnp.inf).max(3)
-        out["kmin"] = cache["kmin"].at[:, :, :n].set(jnp.where(any_valid, kmin, 0))
-        out["kmax"] = cache["kmax"].at[:, :, :n].set(jnp.where(any_valid, kmax, 0))
-    return out
+    pages = _page_summaries(policy, k_BxKxPxSxH, valid)
+    return {name: cache[name].at[:, :, :n].set(x) for name, x in pages.items()}
+
+
+def summarize_pages(
+    policy: str, cache: dict, first_pos_B, num_pos: int, length_B, page_size: int
+) -> dict:
+    """Summaries of the pages holding positions [first_pos_B, first_pos_B + num_pos),
+    recomputed from the cache's keys at positions < length_B (a speculative step's
+    rejected entries dropped). Reads those pages only: O(num_pos) keys per row."""
+    if policy == "streaming":
+        return {}
+    b, kv, s, h = cache["k"].shape
+    num_pages = s // page_size
+    n = -(-num_pos // page_size) + 1  # pages a run of num_pos positions can touch
+    page_BxN = first_pos_B[:, None] // page_size + jnp.arange(n)[None]
+    page_BxN = jnp.minimum(page_BxN, num_pages - 1)  # past the buffer: the last page again
+    pos_BxNxS = page_BxN[:, :, None] * page_size + jnp.arange(page_size)
+    rows = jnp.arange(b)[:, None, None]
+    k_BxNxSxKxH = cache["k"][rows, :, pos_BxNxS].astype(jnp.float32)
+    k_BxKxNxSxH = k_BxNxSxKxH.transpose(0, 3, 1, 2, 4)
+    valid = (pos_BxNxS < length_B[:, None, None])[:, None, :, :, None]
+    pages = _page_summaries(policy, k_BxKxNxSxH, valid)
+    rows = jnp.arange(b)[:, None]
+    return {
+        name: cache[name].at[rows, :, page_BxN].set(x.transpose(0, 2, 1, 3))
+        for name, x in pages.items()
+    }
 
 
 def summarize_decode(policy: str, cache: dict, k_BxKxH, pos_B, page_size: int) -> dict:

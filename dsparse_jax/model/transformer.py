@@ -153,6 +153,8 @@ class Attention(nnx.Module):
         b, t, _ = x_BxTxD.shape
         if mode == "decode":
             pos_BxT = pos_B[:, None]
+        elif mode == "extend":  # t tokens per row from position pos_B on
+            pos_BxT = pos_B[:, None] + jnp.arange(t)[None]
         else:
             pos_BxT = jnp.broadcast_to(jnp.arange(t), (b, t))
         q, k, v = self._qkv(x_BxTxD, pos_BxT, lora, lora_scale)
@@ -161,6 +163,9 @@ class Attention(nnx.Module):
             cache = kv_cache.write_decode(cache, k[:, 0], v[:, 0], pos_B, self.info, spec)
             o, page_ids = attention.attend_decode(q[:, 0], cache, pos_B, self.info, spec)
             o = o[:, None]
+        elif mode == "extend":  # always dense: the speculative verifier
+            cache = kv_cache.write_extend(cache, k, v, pos_BxT)
+            o = attention.attend_extend(q, cache, pos_BxT, self.info)
         else:
             if mode == "prefill":
                 cache = kv_cache.write_prefill(cache, k, v, lengths_B, self.info, spec)
@@ -318,6 +323,25 @@ class Transformer(nnx.Module):
             self._embed(tokens_B[:, None]), "decode", spec, caches, lora, lora_scale, pos_B=pos_B
         )
         return self._logits(x[:, 0]), caches, page_ids
+
+    def extend(
+        self,
+        tokens_BxT,
+        start_B,
+        caches,
+        spec: AttentionSpec = AttentionSpec(),
+        *,
+        lora=None,
+        lora_scale: float = 1.0,
+    ):
+        """T tokens per row at positions start_B, start_B + 1, ... (a speculative verify):
+        writes their keys and values into the cache (page summaries untouched: see
+        kv_cache.refresh_summaries) and attends densely over it. Returns (logits [B, T, V],
+        caches); T = 1 is a dense decode step."""
+        x, caches, _ = self._run(
+            self._embed(tokens_BxT), "extend", spec, caches, lora, lora_scale, pos_B=start_B
+        )
+        return self._logits(x), caches
 
     def init_cache(self, batch: int, max_len: int, spec: AttentionSpec = AttentionSpec()):
         cfg = self.cfg

@@ -130,7 +130,7 @@ def truncate_logits(logits_BxV, top_k: int, top_p: float):
     return logits_BxV
 
 
-def _scaled_logits(logits_BxV, cfg: SamplingConfig):
+def scaled_logits(logits_BxV, cfg: SamplingConfig):
     """The logits a token is drawn from: temperature and truncation (greedy: unchanged)."""
     if cfg.temperature == 0.0:
         return logits_BxV
@@ -139,12 +139,12 @@ def _scaled_logits(logits_BxV, cfg: SamplingConfig):
 
 def sampling_logprobs(logits_BxV, cfg: SamplingConfig):
     """Log-probs [B, V] of the distribution a token is drawn from (see the module doc)."""
-    return jax.nn.log_softmax(_scaled_logits(logits_BxV, cfg), axis=-1)
+    return jax.nn.log_softmax(scaled_logits(logits_BxV, cfg), axis=-1)
 
 
 def sample_token(logits_BxV, key, cfg: SamplingConfig):
     """(token_B, logprob_B of that token under the sampling distribution)."""
-    scaled = _scaled_logits(logits_BxV, cfg)
+    scaled = scaled_logits(logits_BxV, cfg)
     if cfg.temperature == 0.0:
         tok = jnp.argmax(logits_BxV, axis=-1)
     else:

@@ -1,0 +1,419 @@
+"""Lossless speculative rollouts: a drafter proposes, the dense policy verifies.
+
+One jitted `lax.while_loop`; each iteration, for every live row whose last token x_c sits
+at position c (its K/V not yet in the cache):
+
+  draft    up to k tokens d_1..d_k (`DRAFTERS`: `sparse_self` or `history`);
+  verify   one dense `Transformer.extend` over [x_c, d_1..d_k] at positions c..c+k: writes
+           their K/V and returns the verifier's distributions p_0..p_k;
+  accept   `rejection.accept` keeps a prefix d_1..d_a and draws one more token (the
+           replacement at the first rejection, or the bonus), so a row advances by a + 1;
+  clean    the K/V written at c+a+1..c+k belong to rejected tokens: nothing reads them
+           (attention is causal and the next verify overwrites them before attending),
+           and the page summaries of the pages around c..c+k are recomputed from the
+           accepted keys only (`cache.refresh_summaries`).
+
+Every emitted token is an exact sample of the dense policy's (temperature, top-k, top-p
+truncated) distribution, and `logprobs` are the dense policy's, from the verify's logits:
+the output is a `Rollout` exactly like `Sampler`'s for the dense policy. A row ends at an
+EOS inside the accepted tokens or at max_new_tokens; drafts are clamped to the tokens a
+row may still emit (num_drafts <= remaining - 1), which also keeps every accepted write
+inside the buffer (positions past it are dropped).
+
+Drafters (a table, `DRAFTERS`):
+  sparse_self  the same theta with block-sparse attention and the LoRA adapter phi (the
+               DistillSparse actor; MagicDec / TriForce style self-speculation). It has no
+               cache of its own: step j feeds its token at c + j through the sparse(+phi)
+               model reading the verifier's cache, i.e. the dense theta K/V of every
+               verified position (< c) on the pages it selects, plus its own provisional
+               K/V at c..c+j, written into the same cache and overwritten by the verify.
+               Cheap: no second cache, no draft prefill, and each draft step reads only
+               budget pages per sparse layer.
+  history      model-free (SRT, suffix decoding): the longest suffix match of the row's
+               last `ngram` tokens in earlier completions of the same prompt (from earlier
+               RL steps, `HistoryBank`), in its siblings of the current group (their tokens
+               so far) and in its own context proposes the tokens that followed it. A
+               deterministic draft (no q). All on device, inside the loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsparse_jax.attention import cache as kv_cache
+from dsparse_jax.attention.spec import AttentionSpec
+from dsparse_jax.model import transformer
+from dsparse_jax.parallel import sharding
+from dsparse_jax.sampling import rejection
+from dsparse_jax.sampling.sampler import (
+    Rollout,
+    SamplingConfig,
+    buffer_length,
+    sample_token,
+    sampling_logprobs,
+    scaled_logits,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    draft: str = "sparse_self"  # a key of DRAFTERS
+    draft_tokens: int = 4  # k: tokens drafted per verify
+    ngram: int = 4  # history: the longest suffix matched
+    # sparse_self: one more draft step per iteration so that every decoded position has a
+    # page record (Rollout.page_ids), what the phi update's teacher-forced twin replays.
+    record_pages: bool = False
+
+    def __post_init__(self):
+        if self.draft not in DRAFTERS:
+            raise ValueError(f"rl.draft: must be one of {tuple(DRAFTERS)}, got {self.draft!r}")
+        if self.draft_tokens < 1:
+            raise ValueError("rl.draft_tokens must be >= 1")
+        if self.ngram < 1:
+            raise ValueError("rl.history_ngram must be >= 1")
+
+
+class History(NamedTuple):
+    """Earlier completions of each prompt of the batch (the history drafter's bank rows):
+    tokens int32 [P, H, S] (prompt + completion, the rollout's layout and width) and their
+    lengths int32 [P, H] (0: an empty slot)."""
+
+    tokens: jax.Array
+    lengths: jax.Array
+
+
+class SpecStats(NamedTuple):
+    """Per-rollout counters (device arrays)."""
+
+    verify_calls: jax.Array  # int32 [B]: verify iterations in which the row was live
+    emitted: jax.Array  # int32 [B]: tokens emitted by those iterations (completion - 1)
+    reached: jax.Array  # int32 [k]: drafts that were tested (all earlier ones accepted)
+    accepted: jax.Array  # int32 [k]: of those, accepted
+    iterations: jax.Array  # int32 []: loop iterations (the slowest row's verify calls)
+
+
+# ----------------------------------------------------------------------------- drafters
+class DraftIn(NamedTuple):
+    """What a drafter sees at one iteration."""
+
+    tokens: jax.Array  # int32 [B, S], the rows so far
+    cur: jax.Array  # int32 [B], position of each row's last token (not yet in the cache)
+    known: jax.Array  # int32 [B], tokens known per row (= cur + 1)
+    caches: list
+    key: jax.Array
+
+
+class DraftOut(NamedTuple):
+    drafts: jax.Array  # int32 [B, k]
+    probs: jax.Array | None  # f32 [B, k, V] (truncated q), None: deterministic / greedy
+    num: jax.Array  # int32 [B]: how many leading drafts are real (<= k)
+    caches: list
+    pages: dict  # {sparse layer: int32 [B, k', K, P]}: pages read at positions cur + j
+
+
+def _draft_sparse_self(ctx, x: DraftIn) -> DraftOut:
+    """k (+1 with record_pages) autoregressive steps of the sparse(+phi) model over the
+    verifier's cache, sampling from its own truncated distribution q."""
+    model, spec, cfg, sc = ctx["draft_model"], ctx["draft_spec"], ctx["cfg"], ctx["spec_cfg"]
+    k, s = sc.draft_tokens, x.tokens.shape[1]
+    steps = k + 1 if sc.record_pages else k
+    rows = jnp.arange(x.tokens.shape[0])
+    sparse = transformer.sparse_layers(model.cfg, spec)
+    greedy = cfg.temperature == 0.0
+
+    def step(carry, j):
+        tok_B, caches, key = carry
+        pos_B = jnp.minimum(x.cur + j, s - 1)
+        logits, caches, ids = model.decode(tok_B, pos_B, caches, spec, **ctx["draft_run"])
+        key, sub = jax.random.split(key)
+        if greedy:
+            d_B, q = jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        else:
+            scaled = scaled_logits(logits, cfg)
+            d_B = jax.random.categorical(sub, scaled, axis=-1).astype(jnp.int32)
+            q = jax.nn.softmax(scaled, axis=-1)
+        return (d_B, caches, key), (d_B, q, {i: ids[i] for i in sparse})
+
+    x_c = x.tokens[rows, x.cur]
+    (_, caches, _), (d, q, ids) = jax.lax.scan(step, (x_c, x.caches, x.key), jnp.arange(steps))
+    drafts = d[:k].T
+    probs = None if q is None else q[:k].transpose(1, 0, 2)
+    pages = {i: v.transpose(1, 0, 2, 3) for i, v in ids.items()}
+    return DraftOut(drafts, probs, jnp.full_like(x.cur, k), caches, pages)
+
+
+def _draft_history(ctx, x: DraftIn) -> DraftOut:
+    """The longest suffix match of each row's last `ngram` tokens among its group's rows
+    (itself included) and its prompt's bank rows; the tokens after the match are the
+    drafts. Ties go to the match with the most tokens after it, then the latest."""
+    sc, hist, n = ctx["spec_cfg"], ctx["history"], ctx["cfg"].samples_per_prompt
+    k, m = sc.draft_tokens, sc.ngram
+    b, s = x.tokens.shape
+    group = b // n
+    src_BxRxS = jnp.repeat(x.tokens.reshape(group, n, s), n, axis=0)
+    len_BxR = jnp.repeat(x.known.reshape(group, n), n, axis=0)
+    if hist is not None:
+        src_BxRxS = jnp.concatenate([src_BxRxS, jnp.repeat(hist.tokens, n, axis=0)], axis=1)
+        len_BxR = jnp.concatenate([len_BxR, jnp.repeat(hist.lengths, n, axis=0)], axis=1)
+    rows = jnp.arange(b)
+    query_BxM = x.tokens[rows[:, None], jnp.maximum(x.cur[:, None] - jnp.arange(m), 0)]
+    pos = jnp.arange(s)
+    run = jnp.ones(src_BxRxS.shape, jnp.int32)  # still matching after i tokens
+    length = jnp.zeros(src_BxRxS.shape, jnp.int32)  # match length ending at each position
+    for i in range(m):  # src[e - i] == query[i]
+        shifted = jnp.pad(src_BxRxS, ((0, 0), (0, 0), (i, 0)), constant_values=-1)[..., :s]
+        ok = (shifted == query_BxM[:, None, i : i + 1]) & (pos >= i) & (x.cur[:, None, None] >= i)
+        run = run * ok
+        length = length + run
+    cont = jnp.clip(len_BxR[..., None] - 1 - pos, 0, k)  # tokens after the match, <= k
+    # The longest match; among those, the most tokens to propose; then the latest.
+    score = jnp.where((cont > 0) & (length > 0), (length * (k + 1) + cont) * (s + 1) + pos, -1)
+    best = jnp.argmax(score.reshape(b, -1), axis=-1)
+    r, e = best // s, best % s
+    found = score.reshape(b, -1)[rows, best] >= 0
+    take = jnp.minimum(e[:, None] + 1 + jnp.arange(k), s - 1)
+    drafts = src_BxRxS[rows[:, None], r[:, None], take]
+    num = jnp.where(found, cont.reshape(b, -1)[rows, best], 0)
+    return DraftOut(drafts.astype(jnp.int32), None, num.astype(jnp.int32), x.caches, {})
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+    draft: Callable  # (ctx, DraftIn) -> DraftOut
+    uses_phi: bool  # applies the LoRA adapter phi (the DistillSparse actor)
+    sparse: bool  # decodes with block-sparse attention (its cache keeps page summaries)
+    description: str
+
+
+DRAFTERS = {
+    "sparse_self": Drafter(
+        _draft_sparse_self, True, True, "the sparse + LoRA actor (theta + phi) drafts"
+    ),
+    "history": Drafter(
+        _draft_history, False, False, "suffix match in earlier rollouts of the prompt"
+    ),
+}
+
+
+# ------------------------------------------------------------------------------- engine
+class SpeculativeSampler:
+    """Speculative rollouts of the dense policy theta. Build once per model graph."""
+
+    def __init__(self, graphdef):
+        self.graphdef = graphdef
+        self._jitted = jax.jit(
+            self._sample, static_argnames=("cfg", "spec_cfg", "draft_spec", "lora_scale")
+        )
+
+    def __call__(
+        self,
+        state,
+        prompts_BxL,
+        prompt_lengths_B,
+        key,
+        cfg: SamplingConfig,
+        spec_cfg: SpeculativeConfig,
+        draft_spec: AttentionSpec = AttentionSpec(),
+        lora=None,
+        lora_scale: float = 1.0,
+        history: History | None = None,
+    ) -> tuple[Rollout, SpecStats]:
+        """(Rollout of B * samples_per_prompt rows, SpecStats). draft_spec: the sparse
+        drafter's attention (its page_size is the cache's); lora: phi, for sparse_self;
+        history: bank rows of the batch's prompts [P, H, S], for history (optional)."""
+        if cfg.grow_buffer_from:
+            raise ValueError("speculative rollouts use one cache buffer: grow_buffer_from=0")
+        lengths = jnp.asarray(prompt_lengths_B, jnp.int32)
+        if prompts_BxL.shape[0] != lengths.shape[0]:
+            raise ValueError("prompts and prompt_lengths disagree on the batch size")
+        s = buffer_length(prompts_BxL.shape[1], cfg.max_new_tokens, draft_spec.page_size)
+        if history is not None and history.tokens.shape[::2] != (lengths.shape[0], s):
+            raise ValueError(f"history tokens must be [P={lengths.shape[0]}, H, S={s}]")
+        return self._jitted(
+            state,
+            jnp.asarray(prompts_BxL, jnp.int32),
+            lengths,
+            key,
+            lora,
+            history,
+            cfg=cfg,
+            spec_cfg=spec_cfg,
+            draft_spec=draft_spec,
+            lora_scale=lora_scale,
+        )
+
+    def _sample(
+        self,
+        state,
+        prompts_BxL,
+        prompt_len_B,
+        key,
+        lora,
+        history,
+        *,
+        cfg,
+        spec_cfg,
+        draft_spec,
+        lora_scale,
+    ):
+        drafter = DRAFTERS[spec_cfg.draft]
+        model = nnx.merge(self.graphdef, state)
+        ctx = dict(cfg=cfg, spec_cfg=spec_cfg, history=history)
+        if drafter.uses_phi or drafter.sparse:
+            draft_model = nnx.merge(self.graphdef, state)
+            merged = draft_model.merge_lora(lora, lora_scale) if drafter.uses_phi else True
+            ctx.update(
+                draft_model=draft_model,
+                draft_spec=draft_spec,
+                draft_run=dict(lora=None if merged else lora, lora_scale=lora_scale),
+            )
+        # The cache carries page summaries where the drafter selects pages; the verifier
+        # (extend) is dense and never reads them.
+        cache_spec = draft_spec if drafter.sparse else AttentionSpec(page_size=draft_spec.page_size)
+        n, k = cfg.samples_per_prompt, spec_cfg.draft_tokens
+        b0, l = prompts_BxL.shape
+        s = buffer_length(l, cfg.max_new_tokens, cache_spec.page_size)
+        caches = sharding.constrain_cache(model.init_cache(b0, s, cache_spec))
+        logits, caches = model.prefill(prompts_BxL, prompt_len_B, caches, cache_spec)
+        if n > 1:  # one prefill serves the n samples of each prompt
+            rep = lambda x: jnp.repeat(x, n, axis=0)
+            logits, caches = rep(logits), sharding.constrain_cache(jax.tree.map(rep, caches))
+            prompts_BxL, prompt_len_B = rep(prompts_BxL), rep(prompt_len_B)
+        b = b0 * n
+        rows = jnp.arange(b)
+        greedy = cfg.temperature == 0.0
+
+        tokens = jnp.full((b, s), cfg.pad_id, jnp.int32).at[:, :l].set(prompts_BxL)
+        tokens = jnp.where(jnp.arange(s)[None] < prompt_len_B[:, None], tokens, cfg.pad_id)
+        key, sub = jax.random.split(key)
+        tok, lp = sample_token(logits, sub, cfg)
+        tokens = tokens.at[rows, prompt_len_B].set(tok)
+        logprobs = jnp.zeros((b, s), jnp.float32).at[rows, prompt_len_B].set(lp)
+        top = _top_logprobs(cfg, logits[:, None])
+        if top is not None:
+            top = tuple(
+                jnp.zeros((b, s) + x.shape[2:], x.dtype).at[rows, prompt_len_B].set(x[:, 0])
+                for x in top
+            )
+        sparse = transformer.sparse_layers(model.cfg, cache_spec) if drafter.sparse else []
+        kv, p = model.cfg.num_kv_heads, cache_spec.sparse.max_pages if sparse else 0
+        page_ids = {i: jnp.full((b, s, kv, p), -1, jnp.int32) for i in sparse}
+        if not spec_cfg.record_pages:
+            page_ids = {}
+        ncomp = jnp.ones((b,), jnp.int32)
+        done = (tok == cfg.eos_id) | (cfg.max_new_tokens <= 1)
+        stats = SpecStats(
+            jnp.zeros((b,), jnp.int32),
+            jnp.zeros((b,), jnp.int32),
+            jnp.zeros((k,), jnp.int32),
+            jnp.zeros((k,), jnp.int32),
+            jnp.int32(0),
+        )
+        offs = jnp.arange(k + 1)[None]  # [1, k + 1]
+
+        def body(st):
+            key, caches, tokens, logprobs, top, ncomp, done, page_ids, stats = st
+            key, k_draft, k_acc = jax.random.split(key, 3)
+            cur = prompt_len_B + ncomp - 1  # each row's last token
+            out = drafter.draft(ctx, DraftIn(tokens, cur, cur + 1, caches, k_draft))
+            remaining = cfg.max_new_tokens - ncomp
+            num = jnp.where(done, 0, jnp.clip(jnp.minimum(out.num, remaining - 1), 0, k))
+            verify_in = jnp.concatenate([tokens[rows, cur][:, None], out.drafts], axis=1)
+            logits, caches = model.extend(verify_in, cur, out.caches, cache_spec)
+            logp = (
+                jax.nn.log_softmax(logits, -1)
+                if greedy
+                else jax.vmap(lambda x: sampling_logprobs(x, cfg), in_axes=1, out_axes=1)(logits)
+            )
+            a, nxt, ok = rejection.accept(logp, out.drafts, out.probs, num, k_acc, greedy)
+            drafts_pad = jnp.concatenate([out.drafts, out.drafts[:, :1]], axis=1)
+            new = jnp.where(offs < a[:, None], drafts_pad, nxt[:, None])  # valid at j <= a
+            is_eos = (new == cfg.eos_id) & (offs <= a[:, None])
+            n_new = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1) + 1, a + 1)
+            n_new = jnp.where(done, 0, n_new)
+            live = offs < n_new[:, None]
+            write = jnp.where(live, cur[:, None] + 1 + offs, s)  # s: dropped
+            tokens = tokens.at[rows[:, None], write].set(new, mode="drop")
+            lp_new = jnp.take_along_axis(logp, new[..., None], -1)[..., 0]
+            logprobs = logprobs.at[rows[:, None], write].set(lp_new, mode="drop")
+            if top is not None:
+                vals, ids = _top_logprobs(cfg, logits)
+                top = (
+                    top[0].at[rows[:, None], write].set(vals, mode="drop"),
+                    top[1].at[rows[:, None], write].set(ids, mode="drop"),
+                )
+            fed = jnp.where(live, cur[:, None] + offs, s)  # positions fed to the drafter
+            page_ids = {
+                i: ids.at[rows[:, None], fed[:, : out.pages[i].shape[1]]].set(
+                    out.pages[i], mode="drop"
+                )
+                for i, ids in page_ids.items()
+            }
+            if drafter.sparse:  # rejected entries leave the page summaries
+                caches = [
+                    kv_cache.refresh_summaries(
+                        c, cur, k + 1, cur + n_new, transformer.layer_info(model.cfg, i), cache_spec
+                    )
+                    for i, c in enumerate(caches)
+                ]
+            live_row = ~done
+            reached = (offs[:, :k] < num[:, None]) & (offs[:, :k] <= a[:, None])
+            stats = SpecStats(
+                stats.verify_calls + live_row,
+                stats.emitted + n_new,
+                stats.reached + reached.sum(0),
+                stats.accepted + (reached & ok).sum(0),
+                stats.iterations + 1,
+            )
+            ncomp = ncomp + n_new
+            done = done | is_eos.any(1) | (ncomp >= cfg.max_new_tokens)
+            return key, caches, tokens, logprobs, top, ncomp, done, page_ids, stats
+
+        st = (key, caches, tokens, logprobs, top, ncomp, done, page_ids, stats)
+        st = jax.lax.while_loop(lambda st: ~jnp.all(st[6]), body, st)
+        _, _, tokens, logprobs, top, ncomp, _, page_ids, stats = st
+        pos = jnp.arange(s)[None]
+        mask = (pos >= prompt_len_B[:, None]) & (pos < (prompt_len_B + ncomp)[:, None])
+        rollout = Rollout(
+            tokens=tokens,
+            prompt_lengths=prompt_len_B,
+            completion_lengths=ncomp,
+            completion_mask=mask.astype(jnp.float32),
+            logprobs=logprobs,
+            page_ids=page_ids,
+            top_logprobs=top,
+            prompt_width=l,
+        )
+        return rollout, stats
+
+
+def _top_logprobs(cfg: SamplingConfig, logits_BxTxV):
+    """The k largest log-probs of log_softmax(logits / temperature) (temperature 1 when
+    greedy), as the plain sampler reports them; None when cfg.top_logprobs is 0."""
+    if not cfg.top_logprobs:
+        return None
+    t = cfg.temperature if cfg.temperature > 0 else 1.0
+    vals, ids = jax.lax.top_k(jax.nn.log_softmax(logits_BxTxV / t, axis=-1), cfg.top_logprobs)
+    return vals, ids.astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def acceptance_summary(stats: SpecStats, k: int) -> dict:
+    """Scalar metrics of one speculative rollout: tokens per verify (acceptance length,
+    the bonus / replacement token included), acceptance rate per draft position."""
+    calls = jnp.maximum(stats.verify_calls.sum(), 1)
+    out = {
+        "spec_accept_length": stats.emitted.sum() / calls,
+        "spec_verify_calls": stats.verify_calls.sum(),
+        "spec_iterations": stats.iterations,
+    }
+    rate = stats.accepted / jnp.maximum(stats.reached, 1)
+    for j in range(k):
+        out[f"spec_accept_rate_{j + 1}"] = rate[j]
+    return out
