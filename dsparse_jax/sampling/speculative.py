@@ -117,6 +117,12 @@ class DraftOut(NamedTuple):
     pages: dict  # {sparse layer: int32 [B, k', K, P]}: pages read at positions cur + j
 
 
+def draft_probs(logits_BxV, cfg: SamplingConfig):
+    """q: the drafter's distribution, truncated like the verifier's p (a draft token is
+    drawn from it)."""
+    return jax.nn.softmax(scaled_logits(logits_BxV, cfg), axis=-1)
+
+
 def _draft_sparse_self(ctx, x: DraftIn) -> DraftOut:
     """k (+1 with record_pages) autoregressive steps of the sparse(+phi) model over the
     verifier's cache, sampling from its own truncated distribution q."""
@@ -135,9 +141,8 @@ def _draft_sparse_self(ctx, x: DraftIn) -> DraftOut:
         if greedy:
             d_B, q = jnp.argmax(logits, axis=-1).astype(jnp.int32), None
         else:
-            scaled = scaled_logits(logits, cfg)
-            d_B = jax.random.categorical(sub, scaled, axis=-1).astype(jnp.int32)
-            q = jax.nn.softmax(scaled, axis=-1)
+            d_B = jax.random.categorical(sub, scaled_logits(logits, cfg), axis=-1)
+            d_B, q = d_B.astype(jnp.int32), draft_probs(logits, cfg)
         return (d_B, caches, key), (d_B, q, {i: ids[i] for i in sparse})
 
     x_c = x.tokens[rows, x.cur]
@@ -208,7 +213,8 @@ class SpeculativeSampler:
     def __init__(self, graphdef):
         self.graphdef = graphdef
         self._jitted = jax.jit(
-            self._sample, static_argnames=("cfg", "spec_cfg", "draft_spec", "lora_scale")
+            self._sample,
+            static_argnames=("cfg", "spec_cfg", "draft_spec", "lora_scale", "return_cache"),
         )
 
     def __call__(
@@ -223,10 +229,12 @@ class SpeculativeSampler:
         lora=None,
         lora_scale: float = 1.0,
         history: History | None = None,
-    ) -> tuple[Rollout, SpecStats]:
-        """(Rollout of B * samples_per_prompt rows, SpecStats). draft_spec: the sparse
-        drafter's attention (its page_size is the cache's); lora: phi, for sparse_self;
-        history: bank rows of the batch's prompts [P, H, S], for history (optional)."""
+        return_cache: bool = False,
+    ):
+        """(Rollout of B * samples_per_prompt rows, SpecStats[, the final KV cache when
+        return_cache]). draft_spec: the sparse drafter's attention (its page_size is the
+        cache's); lora: phi, for sparse_self; history: bank rows of the batch's prompts
+        [P, H, S], for history (optional)."""
         if cfg.grow_buffer_from:
             raise ValueError("speculative rollouts use one cache buffer: grow_buffer_from=0")
         lengths = jnp.asarray(prompt_lengths_B, jnp.int32)
@@ -246,6 +254,7 @@ class SpeculativeSampler:
             spec_cfg=spec_cfg,
             draft_spec=draft_spec,
             lora_scale=lora_scale,
+            return_cache=return_cache,
         )
 
     def _sample(
@@ -261,12 +270,14 @@ class SpeculativeSampler:
         spec_cfg,
         draft_spec,
         lora_scale,
+        return_cache=False,
     ):
         drafter = DRAFTERS[spec_cfg.draft]
         model = nnx.merge(self.graphdef, state)
         ctx = dict(cfg=cfg, spec_cfg=spec_cfg, history=history)
         if drafter.uses_phi or drafter.sparse:
-            draft_model = nnx.merge(self.graphdef, state)
+            # Its own copy of the state's variables: merge_lora writes into them in place.
+            draft_model = nnx.merge(self.graphdef, jax.tree.map(lambda x: x, state))
             merged = draft_model.merge_lora(lora, lora_scale) if drafter.uses_phi else True
             ctx.update(
                 draft_model=draft_model,
@@ -377,7 +388,7 @@ class SpeculativeSampler:
 
         st = (key, caches, tokens, logprobs, top, ncomp, done, page_ids, stats)
         st = jax.lax.while_loop(lambda st: ~jnp.all(st[6]), body, st)
-        _, _, tokens, logprobs, top, ncomp, _, page_ids, stats = st
+        _, caches, tokens, logprobs, top, ncomp, _, page_ids, stats = st
         pos = jnp.arange(s)[None]
         mask = (pos >= prompt_len_B[:, None]) & (pos < (prompt_len_B + ncomp)[:, None])
         rollout = Rollout(
@@ -390,7 +401,7 @@ class SpeculativeSampler:
             top_logprobs=top,
             prompt_width=l,
         )
-        return rollout, stats
+        return (rollout, stats, caches) if return_cache else (rollout, stats)
 
 
 def _top_logprobs(cfg: SamplingConfig, logits_BxTxV):

@@ -1,0 +1,272 @@
+"""Speculative rollouts are exact samples of the dense policy.
+
+- Greedy: token for token the plain greedy sampler's output, for every drafter, with
+  ragged prompts and an EOS that lands inside accepted drafts; log-probs equal the
+  plain sampler's and the dense teacher-forced ones (1e-4).
+- Distribution: at temperature 1, with and without top-k / top-p, the sequences of 3
+  tokens over a 5-token vocabulary follow the dense policy's exact probabilities
+  (chi-square over all 125 sequences, cells expecting < 5 pooled, at p = 1e-4); planted bugs (the rejected token left in the
+  residual, q reported without its truncation, every draft accepted) fail the same test.
+- Cache: after rejections the KV cache and the page summaries equal a dense prefill of
+  the accepted tokens (1e-5).
+
+One small all-global model (3 layers, 2 KV heads, layers 1-2 sparse on 4-token pages).
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from model_utils import random_params
+
+from dsparse_jax.attention.spec import AttentionSpec, SparseSpec
+from dsparse_jax.model import config as C
+from dsparse_jax.model import lora as lora_lib
+from dsparse_jax.sampling import rejection
+from dsparse_jax.sampling import speculative as SP
+from dsparse_jax.sampling.sampler import Sampler, SamplingConfig, sampling_logprobs
+
+_ACCEPT = rejection.accept  # the real one, for the planted-bug wrappers
+
+LP_TOL = 1e-4
+VOCAB, EOS, PAD = 32, 1, 0
+CFG = C.mini(vocab_size=VOCAB).replace(
+    d_model=32, head_dim=8, mlp_dim=64, num_layers=3, num_heads=4, num_kv_heads=2
+)
+DENSE = AttentionSpec(page_size=4)
+SPARSE = AttentionSpec(
+    page_size=4, sparse=SparseSpec(budget=3, sink_pages=1, recent_pages=1, dense_layers=1)
+)
+LENGTHS = np.array([7, 3, 5])
+PROMPTS = np.random.default_rng(0).integers(2, VOCAB, (3, 7))
+PROMPTS = np.where(np.arange(7) < LENGTHS[:, None], PROMPTS, PAD)
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def model():
+    graphdef, state = random_params(CFG, seed=1, embed_std=3.0)
+    phi = lora_lib.init_lora(CFG, lora_lib.LoRAConfig(rank=2), jax.random.key(5))
+    rng = np.random.default_rng(6)
+    phi = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.3, x.dtype), phi)
+    return graphdef, state, phi
+
+
+def _spec_cfg(draft, **kw):
+    return SP.SpeculativeConfig(draft=draft, draft_tokens=3, **kw)
+
+
+def _teacher_logprobs(graphdef, state, tokens_BxS, cfg):
+    """Dense teacher-forced log-prob of each token (entry s: log p(token s)) under cfg."""
+    from flax import nnx
+
+    logits = nnx.merge(graphdef, state).forward(jnp.asarray(tokens_BxS), DENSE)[:, :-1]
+    logp = jax.vmap(lambda x: sampling_logprobs(x, cfg), in_axes=1, out_axes=1)(logits)
+    lp = jnp.take_along_axis(logp, jnp.asarray(tokens_BxS)[:, 1:, None], -1)[..., 0]
+    return np.pad(np.asarray(lp), ((0, 0), (1, 0)))
+
+
+def _eos_inside(graphdef, state):
+    """An EOS id that ends some greedy rows early: the token plain greedy decoding emits
+    mid-completion in row 0."""
+    cfg = SamplingConfig(MAX_NEW, VOCAB + 1, PAD, temperature=0.0)  # no EOS
+    r = Sampler(graphdef)(state, PROMPTS, LENGTHS, jax.random.key(0), cfg, DENSE)
+    return int(np.asarray(r.tokens)[0, LENGTHS[0] + MAX_NEW // 3])
+
+
+@pytest.mark.parametrize("draft", ["sparse_self", "history"])
+def test_greedy_equals_plain_greedy(model, draft):
+    graphdef, state, phi = model
+    eos = _eos_inside(graphdef, state)
+    cfg = SamplingConfig(MAX_NEW, eos, PAD, temperature=0.0, samples_per_prompt=2, top_logprobs=2)
+    plain = Sampler(graphdef)(state, PROMPTS, LENGTHS, jax.random.key(0), cfg, DENSE)
+    ncomp = np.asarray(plain.completion_lengths)
+    assert (ncomp < MAX_NEW).any() and (ncomp == MAX_NEW).any()  # EOS ends some rows early
+
+    history = None
+    if draft == "history":  # the bank holds one earlier (here: the same) rollout per prompt
+        rows = np.asarray(plain.tokens)[::2]
+        lengths = np.asarray(plain.lengths)[::2]
+        history = SP.History(jnp.asarray(rows[:, None]), jnp.asarray(lengths[:, None]))
+    spec = SPARSE if draft == "sparse_self" else DENSE
+    r, stats = SP.SpeculativeSampler(graphdef)(
+        state,
+        PROMPTS,
+        LENGTHS,
+        jax.random.key(0),
+        cfg,
+        _spec_cfg(draft),
+        spec,
+        phi,
+        history=history,
+    )
+    np.testing.assert_array_equal(np.asarray(r.tokens), np.asarray(plain.tokens))
+    np.testing.assert_array_equal(np.asarray(r.completion_lengths), ncomp)
+    np.testing.assert_array_equal(np.asarray(r.completion_mask), np.asarray(plain.completion_mask))
+    np.testing.assert_allclose(np.asarray(r.logprobs), np.asarray(plain.logprobs), atol=LP_TOL)
+    mask = np.asarray(r.completion_mask) > 0
+    for got, want in zip(r.top_logprobs, plain.top_logprobs):  # past the end: unspecified
+        np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(want)[mask], atol=LP_TOL)
+    teacher = _teacher_logprobs(graphdef, state, r.tokens, cfg)
+    np.testing.assert_allclose(np.asarray(r.logprobs)[mask], teacher[mask], atol=LP_TOL)
+    m = SP.acceptance_summary(stats, 3)
+    assert float(m["spec_accept_length"]) > 1.0  # drafts were accepted
+    if draft == "history":  # the bank holds the answer: nearly every draft is accepted
+        assert float(m["spec_accept_length"]) > 3.0
+
+
+def test_cache_and_summaries_after_rejections_equal_plain(model):
+    """Temperature 1 with a mismatched draft (random phi): many rejections. The cache's
+    keys, values and page summaries at the accepted positions equal a dense prefill of the
+    final tokens (the cache plain decoding builds), within 1e-5."""
+    graphdef, state, phi = model
+    cfg = SamplingConfig(MAX_NEW, EOS, PAD, temperature=1.0, samples_per_prompt=2)
+    r, stats, caches = SP.SpeculativeSampler(graphdef)(
+        state,
+        PROMPTS,
+        LENGTHS,
+        jax.random.key(3),
+        cfg,
+        _spec_cfg("sparse_self"),
+        SPARSE,
+        phi,
+        return_cache=True,
+    )
+    m = SP.acceptance_summary(stats, 3)
+    assert float(m["spec_accept_rate_1"]) < 0.95  # rejections happened
+    from flax import nnx
+
+    fed = np.asarray(r.lengths) - 1  # every token but the last went through the model
+    ref = nnx.merge(graphdef, state).init_cache(len(fed), r.tokens.shape[1], SPARSE)
+    _, ref = nnx.merge(graphdef, state).prefill(r.tokens, jnp.asarray(fed), ref, SPARSE)
+    pos_ok = np.arange(r.tokens.shape[1])[None, None, :, None] < fed[:, None, None, None]
+    for got, want in zip(caches, ref):
+        for name in ("k", "v"):
+            np.testing.assert_allclose(
+                np.where(pos_ok, got[name], 0), np.where(pos_ok, want[name], 0), atol=1e-5
+            )
+        if "ksum" in want:
+            np.testing.assert_allclose(np.asarray(got["ksum"]), np.asarray(want["ksum"]), atol=1e-5)
+
+
+# --------------------------------------------------------------------------- distribution
+DIST_VOCAB, DIST_NEW, DIST_N = 5, 3, 6000
+DIST_CFG = CFG.replace(vocab_size=DIST_VOCAB)
+DIST_PROMPT = np.array([[1, 3, 2, 4, 0, 2, 1]])
+Z_CRIT = 3.719  # one-sided normal quantile of p = 1e-4
+
+
+def chi2_critical(df: int) -> float:
+    """The chi-square value exceeded with probability 1e-4 (Wilson-Hilferty)."""
+    c = 2.0 / (9.0 * df)
+    return df * (1.0 - c + Z_CRIT * np.sqrt(c)) ** 3
+
+
+@pytest.fixture(scope="module")
+def dist_model():
+    graphdef, state = random_params(DIST_CFG, seed=2, embed_std=0.5)
+    phi = lora_lib.init_lora(DIST_CFG, lora_lib.LoRAConfig(rank=2), jax.random.key(7))
+    rng = np.random.default_rng(8)
+    phi = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.5, x.dtype), phi)
+    return graphdef, state, phi
+
+
+def _exact_probs(graphdef, state, cfg):
+    """p(sequence) of every 3-token completion under the dense policy (truncated)."""
+    seqs = np.array(list(itertools.product(range(DIST_VOCAB), repeat=DIST_NEW)))
+    tokens = np.concatenate([np.repeat(DIST_PROMPT, len(seqs), 0), seqs], axis=1)
+    lp = _teacher_logprobs(graphdef, state, tokens, cfg)[:, -DIST_NEW:]
+    return seqs, np.exp(lp.sum(1))
+
+
+def _chi_square(graphdef, state, phi, draft, cfg, key=0):
+    seqs, probs = _exact_probs(graphdef, state, cfg)
+    scfg = dataclasses_replace(cfg, samples_per_prompt=DIST_N)
+    history = None
+    if draft == "history":  # bank rows: fixed token sequences (deterministic drafts)
+        width = DIST_PROMPT.shape[1] + 5  # the rollout's buffer: 7 + 3 rounded up to pages
+        rows = np.random.default_rng(9).integers(0, DIST_VOCAB, (1, 4, width))
+        rows[:, :, : DIST_PROMPT.shape[1]] = DIST_PROMPT
+        history = SP.History(jnp.asarray(rows), jnp.full((1, 4), rows.shape[2], jnp.int32))
+    spec = SPARSE if draft == "sparse_self" else DENSE
+    r, stats = SP.SpeculativeSampler(graphdef)(
+        state,
+        DIST_PROMPT,
+        np.array([DIST_PROMPT.shape[1]]),
+        jax.random.key(key),
+        scfg,
+        SP.SpeculativeConfig(draft=draft, draft_tokens=2, ngram=2),
+        spec,
+        phi,
+        history=history,
+    )
+    got = np.asarray(r.tokens)[:, DIST_PROMPT.shape[1] : DIST_PROMPT.shape[1] + DIST_NEW]
+    index = {tuple(s): i for i, s in enumerate(seqs)}
+    counts = np.bincount([index[tuple(g)] for g in got], minlength=len(seqs))
+    expected = probs * DIST_N
+    assert abs(probs.sum() - 1) < 1e-4
+    big = expected >= 5  # pool the rare cells into one
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    stat = float(((obs - exp) ** 2 / np.maximum(exp, 1e-9)).sum())
+    rate = float(SP.acceptance_summary(stats, 2)["spec_accept_rate_1"])
+    print(f"{draft}: chi2 {stat:.1f} over {len(obs) - 1} dof, acceptance {rate:.3f}")
+    return stat / chi2_critical(len(obs) - 1), rate, counts[~(probs > 0)].sum()
+
+
+def dataclasses_replace(cfg, **kw):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)
+
+
+DIST_CASES = {
+    "t1": SamplingConfig(DIST_NEW, 99, PAD, temperature=1.0),
+    "trunc": SamplingConfig(DIST_NEW, 99, PAD, temperature=0.8, top_k=4, top_p=0.85),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft", ["sparse_self", "history"])
+@pytest.mark.parametrize("case", list(DIST_CASES))
+def test_distribution_matches_dense_policy(dist_model, draft, case):
+    stat, rate, impossible = _chi_square(*dist_model, draft, DIST_CASES[case])
+    assert impossible == 0  # never a token outside the truncation
+    assert 0.05 < rate < 0.98, rate  # a real mix of acceptances and rejections
+    assert stat < 1.0, stat  # the statistic over its p = 1e-4 critical value
+
+
+def _accept_keeping_rejected(logp, drafts, probs, num, key, greedy):
+    """Planted bug: a deterministic draft's rejected token stays in the residual."""
+    a, _, ok = _ACCEPT(logp, drafts, probs, num, key, greedy)
+    nxt = jax.random.categorical(jax.random.fold_in(key, 1), logp[jnp.arange(a.shape[0]), a])
+    return a, nxt.astype(jnp.int32), ok
+
+
+def _accept_everything(logp, drafts, probs, num, key, greedy):
+    """Planted bug: every draft accepted."""
+    _, _, ok = _ACCEPT(logp, drafts, probs, num, key, greedy)
+    nxt = jax.random.categorical(jax.random.fold_in(key, 1), logp[jnp.arange(num.shape[0]), num])
+    return num, nxt.astype(jnp.int32), ok
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "bug,draft,case",
+    [
+        ("rejected_in_residual", "history", "t1"),
+        ("q_untruncated", "sparse_self", "trunc"),
+        ("accept_all", "sparse_self", "t1"),
+    ],
+)
+def test_planted_bugs_fail_the_distribution_test(dist_model, monkeypatch, bug, draft, case):
+    if bug == "rejected_in_residual":
+        monkeypatch.setattr(SP.rejection, "accept", _accept_keeping_rejected)
+    elif bug == "q_untruncated":
+        monkeypatch.setattr(SP, "draft_probs", lambda lg, c: jax.nn.softmax(lg / c.temperature))
+    else:
+        monkeypatch.setattr(SP.rejection, "accept", _accept_everything)
+    stat, _, impossible = _chi_square(*dist_model, draft, DIST_CASES[case])
+    assert stat > 1.0 or impossible > 0, stat
