@@ -4,6 +4,7 @@ the rollout log-probs on the kept rows, the oversampling filter keeps n of M, ph
 only in distillsparse, checkpoints round-trip phi."""
 
 import copy
+import dataclasses
 import math
 import os
 
@@ -142,6 +143,56 @@ def test_mode_runs_two_steps(ctx, name, overrides, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("draft", ["sparse_self", "history"])
+def test_speculative_mode_runs_two_steps(ctx, draft, monkeypatch, tmp_path):
+    """rollout_mode=speculative: the rollout is the dense policy's (its log-probs equal the
+    teacher-forced dense ones, so theta's first ratio is 1), acceptance metrics are
+    reported, phi trains with sparse_self, the history bank fills across steps and
+    round-trips through the checkpoint."""
+    from dsparse_jax.reliability import checkpoints
+
+    monkeypatch.setattr(phases, "grade", fake_score)
+    run = _with(
+        ctx,
+        rl__rollout_mode="speculative",
+        rl__draft=draft,
+        rl__draft_tokens=3,
+        rl__samples_generated=3,
+    )
+    # A finite training set of the step's two prompts: they recur at step 2.
+    run = context.RunContext(
+        **{**run.__dict__, "task": dataclasses.replace(run.task, train_size=2)}
+    )
+    setup = rl_loop.make_setup(run)
+    st = rl_loop.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
+    lora0 = _leaves(st.lora) if st.lora is not None else None
+    rng = jax.random.key(0)
+    for step in range(2):
+        rng, k = jax.random.split(rng)
+        st, m = rl_loop.rl_step(run, setup, st, k, step)
+        assert m["skipped_updates"] == 0
+        assert m["mu_dense_max_abs"] < 1e-3  # exact dense rollout: numerics only
+        assert m["spec_accept_length"] >= 1.0 and math.isfinite(m["spec_accept_rate_1"])
+    if draft == "sparse_self":
+        assert math.isfinite(m["phi_loss"]) and math.isfinite(m["kl_exact"])
+        assert any((a != b).any() for a, b in zip(lora0, _leaves(st.lora)))  # phi trained
+        return
+    assert st.lora is None and "phi_loss" not in m
+    bank = setup.history
+    assert bank.owned.sum() == 2 and (np.asarray(bank.lengths) > 0).sum() == 2 * 2 * 3
+    ckpt = checkpoints.Checkpointer(str(tmp_path), "ck")
+    position = rl_loop.RL_DATA_OFFSET + 2 * 2
+    ckpt.save(2, rl_loop._saveable(st, rng, 2, position, bank=bank), force=True)
+    ckpt.wait()
+    fresh = rl_loop.make_setup(run).history
+    found = rl_loop._resume(ckpt, st, rng, "speculative", 2, fresh)
+    ckpt.close()
+    assert found[2] == 2
+    for name, value in bank.state().items():
+        np.testing.assert_array_equal(value, fresh.state()[name], err_msg=name)
+
+
+@pytest.mark.slow
 def test_distillsparse_checkpoint_round_trips_phi(ctx, tmp_path):
     from dsparse_jax.reliability import checkpoints
 
@@ -174,11 +225,15 @@ def test_distillsparse_checkpoint_round_trips_phi(ctx, tmp_path):
         ("lora.targets", "q,qq"),
         ("sparse.budget", 2),
         ("lora.rank", 0),
+        ("rl.draft", "oracle"),
+        ("rl.draft_tokens", 0),
     ],
 )
 def test_mode_config_validation(field, value):
     c = base_config()
     section, name = field.split(".")
     c[section][name] = value
+    if field.startswith("rl.draft"):
+        c.rl.rollout_mode = "speculative"
     with pytest.raises(ConfigError, match=f"config.{field}"):
         validate(c)

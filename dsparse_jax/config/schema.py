@@ -161,6 +161,12 @@ def defaults() -> ml_collections.ConfigDict:
     # distillsparse (sparse + LoRA actor, dense theta update, then LoRA distillation).
     c.rl.rollout_mode = "distillsparse"
     c.rl.samples_generated = 0  # M >= samples_per_prompt rollouts per prompt; 0: M = n
+    # rollout_mode=speculative (sampling/speculative.py): the drafter and its settings.
+    c.rl.draft = "sparse_self"  # sparse_self (sparse + phi actor) | history (earlier rollouts)
+    c.rl.draft_tokens = 4  # k: tokens drafted per dense verify
+    c.rl.history_ngram = 4  # history: the longest suffix matched
+    c.rl.history_prompts = 1024  # history: prompts the bank holds (least recently used evicted)
+    c.rl.history_per_prompt = 8  # history: newest rollouts kept per prompt
     c.rl.selection = "reward"  # top-n of the M by reward | acceptance (rate vs dense)
     c.rl.acceptance_C = 1.0  # Bernoulli test probability min(1, p_dense / (C p_sparse))
     c.rl.is_correction = "none"  # none | tis | mis (vs the rollout log-probs), any mode

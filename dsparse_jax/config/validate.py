@@ -20,7 +20,7 @@ from dsparse_jax.errors import UserError
 from dsparse_jax.model.config import PRESETS
 from dsparse_jax.model.transformer import LINEAR_NAMES
 from dsparse_jax.rl.losses import AGG_MODES
-from dsparse_jax.rl.modes import DISTILL_LOSSES, KL_KINDS, MODES, TEACHERS
+from dsparse_jax.rl.modes import DISTILL_LOSSES, DRAFTS, KL_KINDS, MODES, TEACHERS
 
 
 class ConfigError(UserError, ValueError):
@@ -344,6 +344,16 @@ def _validate_modes(c) -> None:
         "rl.samples_generated",
         f"must be 0 (= samples_per_prompt) or >= samples_per_prompt ({r.samples_per_prompt})",
     )
+    if r.rollout_mode == "speculative":
+        _check(r.draft in DRAFTS, "rl.draft", f"must be one of {tuple(DRAFTS)}")
+        for f in ("rl.draft_tokens", "rl.history_ngram", "rl.history_prompts"):
+            _positive_int(c, f)
+        _positive_int(c, "rl.history_per_prompt")
+        _check(
+            r.grow_buffer_from == 0,
+            "rl.grow_buffer_from",
+            "must be 0 with rollout_mode=speculative (one cache buffer)",
+        )
     _check(r.selection in ("reward", "acceptance"), "rl.selection", "must be reward or acceptance")
     _check(r.acceptance_C > 0, "rl.acceptance_C", "must be > 0")
     _check(

@@ -11,6 +11,13 @@ is one entry here plus the code of any phase that is new.
   sparse         sparse, theta            dense                              -
   sparse_train   sparse, theta            sparse twin (the rollout's pages)  -
   distillsparse  sparse, theta + phi      dense (no adapter)                 L_PPO + lambda KL
+  speculative    dense theta, exactly     dense                              as the draft's
+                 (drafts verified)
+
+speculative: the rollout is an exact sample of the dense policy (sampling/speculative.py);
+the actor_* properties then describe the drafter (rl.draft, `DRAFTS`): sparse_self drafts
+with the sparse + phi actor, whose phi keeps training towards the dense policy (L_PPO +
+lambda KL: a higher acceptance rate); history drafts without a model.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ class RolloutMode:
     updates_phi: bool  # phase update_phi trains phi (theta frozen) after theta's update
     trainer_sparse: bool  # the trainer runs the actor's sparse twin on the rollout's pages
     description: str
+    speculative: bool = False  # the dense policy verifies the actor's drafts (exact rollout)
 
     def __post_init__(self):
         if self.updates_phi and not self.actor_lora:
@@ -80,12 +88,33 @@ MODES = {
             trainer_sparse=False,
             description="DistillSparse (sparse + LoRA actor, LoRA distillation)",
         ),
+        RolloutMode(
+            "speculative",
+            actor_sparse=True,
+            actor_lora=True,
+            updates_phi=True,
+            trainer_sparse=False,
+            description="speculative: exact dense rollouts from verified drafts (rl.draft)",
+            speculative=True,
+        ),
     )
 }
 
+# The drafter's properties in the speculative mode (config rl.draft).
+DRAFTS = {
+    "sparse_self": dict(actor_sparse=True, actor_lora=True, updates_phi=True),
+    "history": dict(actor_sparse=False, actor_lora=False, updates_phi=False),
+}
 
-def get(name: str) -> RolloutMode:
-    """The mode named `name`; a clear error naming the field otherwise."""
+
+def get(name: str, draft: str = "sparse_self") -> RolloutMode:
+    """The mode named `name` (speculative: with the drafter `draft`'s properties); a clear
+    error naming the field otherwise."""
     if name not in MODES:
         raise ValueError(f"config.rl.rollout_mode: must be one of {tuple(MODES)}, got {name!r}")
-    return MODES[name]
+    mode = MODES[name]
+    if not mode.speculative:
+        return mode
+    if draft not in DRAFTS:
+        raise ValueError(f"config.rl.draft: must be one of {tuple(DRAFTS)}, got {draft!r}")
+    return dataclasses.replace(mode, **DRAFTS[draft])

@@ -28,6 +28,7 @@ from dsparse_jax.model.config import ModelConfig, preset
 from dsparse_jax.model.lora import LoRAConfig, parse_targets
 from dsparse_jax.model.transformer import Transformer
 from dsparse_jax.sampling.sampler import Sampler
+from dsparse_jax.sampling.speculative import SpeculativeSampler
 from dsparse_jax.train.evaluation import Evaluator
 
 
@@ -41,6 +42,7 @@ class RunContext:
     init_params: object  # nnx.State of a freshly initialised model (also a template)
     spec: AttentionSpec  # dense attention spec of the trainer
     sampler: Sampler
+    spec_sampler: SpeculativeSampler  # rollout_mode=speculative
     evaluator: Evaluator
     seq_width: int  # static width of prompt + completion buffers
     rollout_spec: AttentionSpec | None = None  # sparse actor attention (config.sparse)
@@ -166,6 +168,7 @@ def build(config) -> RunContext:
         init_params=params,
         spec=spec,
         sampler=sampler,
+        spec_sampler=SpeculativeSampler(graphdef),
         evaluator=evaluator,
         seq_width=batches.sequence_buffer(task, spec.page_size),
         rollout_spec=rollout_spec,

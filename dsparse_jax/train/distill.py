@@ -182,7 +182,8 @@ def recompute(
     rollout's `pages`, and `lora` when given), and exact mismatch metrics twin vs dense,
     plus twin_mu_max_abs = max |twin_logp - rollout_logp| (should be ~0: the twin is the
     actor). Without a twin (dense mode) the metrics compare dense_logp with the sampler's
-    own log-probs mu (numerics only).
+    own log-probs mu (numerics only). Always: mu_dense_max_abs = max |rollout_logp -
+    dense_logp| (~0 where the rollout is the dense policy's: dense, speculative).
 
     The forwards run over `chunks` equal groups of rows in sequence (lax.map), so peak
     memory is that of B / chunks rows; the metrics are computed over the whole batch.
@@ -222,6 +223,11 @@ def recompute(
         metrics["twin_mu_max_abs"] = jnp.max(
             jnp.where(m > 0, jnp.abs(twin_logp - rollout_logp_BxS), 0.0)
         )
+    # The rollout's own log-probs against dense theta: numerics only where the rollout is
+    # the dense policy's (dense mode, speculative rollouts), the mismatch otherwise.
+    metrics["mu_dense_max_abs"] = jnp.max(
+        jnp.where(m > 0, jnp.abs(dense_logp - rollout_logp_BxS), 0.0)
+    )
     out["metrics"] = metrics
     return out
 

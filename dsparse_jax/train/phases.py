@@ -33,7 +33,9 @@ from dsparse_jax.reliability import faults
 from dsparse_jax.rl import corrections, filtering, modes
 from dsparse_jax.rl.advantages import grpo_advantages
 from dsparse_jax.rl.losses import combine_metrics
-from dsparse_jax.sampling.sampler import Rollout, SamplingConfig
+from dsparse_jax.sampling.history import prompt_key
+from dsparse_jax.sampling.sampler import Rollout, SamplingConfig, buffer_length
+from dsparse_jax.sampling.speculative import acceptance_summary
 from dsparse_jax.train import distill
 from dsparse_jax.train.context import RunContext
 from dsparse_jax.train.evaluation import score as grade
@@ -251,10 +253,42 @@ def rollout(ctx: RunContext, setup: RLSetup, st: TrainState, key, step: int):
         samples_per_prompt=setup.m,
         grow_buffer_from=c.grow_buffer_from,
     )
+    if setup.speculative is not None:
+        r, metrics = _speculative_rollout(ctx, setup, st, key, prompts, lengths, scfg)
+        return Generated(batch_problems, r), metrics
     r = ctx.sampler(
         st.params, prompts, lengths, key, scfg, setup.rollout_spec, st.lora, setup.lora_scale
     )
     return Generated(batch_problems, r), {}
+
+
+def _speculative_rollout(ctx, setup: RLSetup, st: TrainState, key, prompts, lengths, scfg):
+    """rollout_mode=speculative: an exact rollout of the dense policy from verified drafts
+    (rl.draft); the history drafter reads and then extends the bank of earlier rollouts."""
+    bank, history, slots = setup.history, None, None
+    if bank is not None:
+        prompts_np, lengths_np = np.asarray(prompts), np.asarray(lengths)
+        slots = bank.slots([prompt_key(p[:n]) for p, n in zip(prompts_np, lengths_np)])
+        history = bank.rows(
+            slots, buffer_length(prompts_np.shape[1], scfg.max_new_tokens, ctx.spec.page_size)
+        )
+    r, stats = ctx.spec_sampler(
+        st.params,
+        prompts,
+        lengths,
+        key,
+        scfg,
+        setup.speculative,
+        setup.rollout_spec,
+        st.lora,
+        setup.lora_scale,
+        history=history,
+    )
+    if bank is not None:
+        bank.add(slots, r.tokens, r.lengths, scfg.samples_per_prompt)
+    k = setup.speculative.draft_tokens
+    metrics = jax.device_get(acceptance_summary(stats, k))
+    return r, {name: float(v) for name, v in metrics.items()}
 
 
 def score(ctx: RunContext, setup: RLSetup, gen: Generated, step: int = 0):

@@ -111,11 +111,11 @@ def evaluate(
 
 
 # ---------------------------------------------------------------------------------- the loop
-OPTIONAL_KEYS = ("consecutive_skips",)  # absent from checkpoints written before them
+OPTIONAL_KEYS = ("consecutive_skips", "history")  # absent from checkpoints written before them
 
 
 def _saveable(
-    st: TrainState, rng, step: int, data_position: int, consecutive_skips: int = 0
+    st: TrainState, rng, step: int, data_position: int, consecutive_skips: int = 0, bank=None
 ) -> dict:
     tree = checkpoints.to_saveable(
         st.params,
@@ -127,6 +127,8 @@ def _saveable(
     if st.lora is not None:  # flat leaf lists, like opt_state (int-keyed dicts stay out)
         tree["lora"] = jax.tree.leaves(st.lora)
         tree["lora_opt_state"] = jax.tree.leaves(st.lora_opt_state)
+    if bank is not None:  # the history drafter's bank (rl.draft=history)
+        tree["history"] = bank.state()
     return tree
 
 
@@ -151,10 +153,10 @@ def restore_state(ckpt, step: int, st: TrainState) -> TrainState:
     return _restore(ckpt, step, st, jax.random.key(0))[0]
 
 
-def _resume(ckpt, st: TrainState, rng, mode: str, prompts_per_step: int):
+def _resume(ckpt, st: TrainState, rng, mode: str, prompts_per_step: int, bank=None):
     """(state, rng, step, consecutive skips) from the newest usable checkpoint, if any."""
     try:
-        found = ckpt.restore_latest(_saveable(st, rng, 0, 0), OPTIONAL_KEYS)
+        found = ckpt.restore_latest(_saveable(st, rng, 0, 0, bank=bank), OPTIONAL_KEYS)
     except checkpoints.IncompatibleCheckpoint as e:  # e.g. another rollout mode
         raise UserError(
             f"cannot resume from {ckpt.directory} in rl.rollout_mode={mode}: {e}"
@@ -164,6 +166,8 @@ def _resume(ckpt, st: TrainState, rng, mode: str, prompts_per_step: int):
     if found is None:
         return st, rng, 0, 0
     st, rng, step, extra = _from_tree(found[1], st)
+    if bank is not None and "history" in extra:
+        bank.load(extra["history"])
     position = int(extra["data_position"])
     if position != RL_DATA_OFFSET + step * prompts_per_step:
         raise UserError(
@@ -183,7 +187,9 @@ def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
     if setup.plan is None:  # committed, like a restored key (see init_state)
         rng = jax.device_put(rng, jax.devices()[0])
     ckpt = checkpoints.Checkpointer(workdir, "checkpoints", keep=ctx.config.checkpoint.keep)
-    st, rng, step, skips = _resume(ckpt, st, rng, setup.mode.name, c.prompts_per_step)
+    st, rng, step, skips = _resume(
+        ckpt, st, rng, setup.mode.name, c.prompts_per_step, setup.history
+    )
     if step:
         print(f"[rl] resuming from checkpoint at step {step}", flush=True)
     # Metrics of work lost in a kill are redone (step 0's evaluation too, when no
@@ -228,7 +234,14 @@ def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
             try:
                 ckpt.save(
                     step,
-                    _saveable(st, rng, step, RL_DATA_OFFSET + step * c.prompts_per_step, skips),
+                    _saveable(
+                        st,
+                        rng,
+                        step,
+                        RL_DATA_OFFSET + step * c.prompts_per_step,
+                        skips,
+                        setup.history,
+                    ),
                     force=step == c.num_steps,
                 )
             except checkpoints.CheckpointError as e:  # non-finite state: never saved

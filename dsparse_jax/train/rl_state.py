@@ -14,6 +14,9 @@ from dsparse_jax.data import batches
 from dsparse_jax.model.lora import init_lora
 from dsparse_jax.parallel import sharding
 from dsparse_jax.rl import modes
+from dsparse_jax.sampling.history import HistoryBank
+from dsparse_jax.sampling.sampler import buffer_length
+from dsparse_jax.sampling.speculative import SpeculativeConfig
 from dsparse_jax.train import distill, steps
 from dsparse_jax.train.context import RunContext
 from dsparse_jax.train.grpo import GRPOSettings
@@ -72,6 +75,8 @@ class RLSetup:
     distill: distill.DistillSettings | None = None  # phi's update (mode.updates_phi)
     num_bins: int = 1
     plan: sharding.MeshPlan | None = None  # the device mesh (None: one device, unsharded)
+    speculative: SpeculativeConfig | None = None  # rollout_mode=speculative: the drafter
+    history: HistoryBank | None = None  # rl.draft=history: earlier rollouts, across steps
     # Teacher-forced no-gradient forwards run in gcd(rows, this) chunks of rows: the
     # update's microbatch size, the largest group the config already runs at once.
     recompute_chunks: int = 1
@@ -79,7 +84,7 @@ class RLSetup:
 
 def make_setup(ctx: RunContext) -> RLSetup:
     c = ctx.config.rl
-    mode = modes.get(c.rollout_mode)
+    mode = modes.get(c.rollout_mode, c.draft)
     n = c.samples_per_prompt
     m = c.samples_generated or n
     rollout_spec = ctx.rollout_spec if mode.actor_sparse else ctx.spec
@@ -103,6 +108,21 @@ def make_setup(ctx: RunContext) -> RLSetup:
             microbatches=c.microbatches,
         )
     bins = max(1, math.ceil(batches.completion_budget(ctx.task) / ctx.config.metrics.position_bin))
+    spec_cfg = bank = None
+    if mode.speculative:
+        spec_cfg = SpeculativeConfig(
+            draft=c.draft,
+            draft_tokens=c.draft_tokens,
+            ngram=c.history_ngram,
+            record_pages=mode.updates_phi,  # the phi update's twin replays the draft's pages
+        )
+        if c.draft == "history":
+            width = buffer_length(
+                batches.prompt_buffer(ctx.task),
+                batches.completion_budget(ctx.task),
+                ctx.spec.page_size,
+            )
+            bank = HistoryBank(c.history_prompts, c.history_per_prompt, width)
     plan = sharding.plan_from_config(ctx.config)
     sharding.check_rl_batches(plan, c)
     return RLSetup(
@@ -119,6 +139,8 @@ def make_setup(ctx: RunContext) -> RLSetup:
         distill=dset,
         num_bins=bins,
         recompute_chunks=c.minibatches * c.microbatches,
+        speculative=spec_cfg,
+        history=bank,
     )
 
 
