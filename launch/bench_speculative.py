@@ -1,0 +1,333 @@
+"""Speculative rollout benchmark: plain dense sampling against each drafter, in one process.
+
+  python launch/bench_speculative.py --quick                      # smoke test, ~1 minute
+  python launch/bench_speculative.py --gen=1024,4096 > bench.json # random weights, B = 32
+  python launch/bench_speculative.py --workdir=runs/mini_longchain \\
+      --phi_workdir=runs/exp_mini/distillsparse_s0 --gen=0        # trained, the chain task
+
+Part 1 (--gen, random weights of --preset, mini by default): B = --batch rows (--samples
+per prompt) of random prompts, EOS disabled so every row generates exactly N tokens, at
+temperature --temperature. Rows: plain dense `Sampler`, then `SpeculativeSampler` with
+each drafter: sparse_self (theta + phi = 0 on the sparse attention of --budget pages) and
+history (no bank: the row's own context and its siblings).
+
+Part 2 (--workdir, a run of the long-chain task): theta of the run's SFT warm start (or
+newest RL checkpoint), prompts of its training set, the task's own completion budget with
+EOS (tokens/s counts the tokens generated). Rows: plain, sparse_self with phi = 0,
+history over two epochs of the same prompts (epoch 1: an empty bank, epoch 2: the bank
+holds epoch 1's rollouts). With --phi_workdir (a DistillSparse run), also theta and phi
+of its newest RL checkpoint: plain and sparse_self with that phi against phi = 0 on the
+same theta (does distillation raise acceptance?).
+
+Every row: one ahead-of-time compile (compile_s, excluded), then --reps timed calls
+(block_until_ready; the median is reported) with the same key, so every drafter emits the
+same number of tokens as the plain sampler only in expectation (the outputs are exact
+samples, not the same samples). ratio = tokens/s over the plain row's of the same part.
+Acceptance length = tokens emitted per verify (bonus / replacement included). Part 1 also
+times the pieces of one iteration at the middle of the generation (`step_costs`): a plain
+dense decode step, a sparse draft step and a dense (k + 1)-token verify; a speculative
+iteration costs k draft steps + one verify and yields acceptance-length tokens.
+JSON to stdout (and --out), progress to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from dsparse_jax.attention.spec import AttentionSpec, SparseSpec  # noqa: E402
+from dsparse_jax.sampling.history import HistoryBank, prompt_key  # noqa: E402
+from dsparse_jax.sampling.sampler import Sampler, SamplingConfig, buffer_length  # noqa: E402
+from dsparse_jax.sampling.speculative import (  # noqa: E402
+    SpeculativeConfig,
+    SpeculativeSampler,
+    acceptance_summary,
+)
+
+
+def log(msg: str) -> None:
+    print(f"[bench_speculative] {msg}", file=sys.stderr, flush=True)
+
+
+def _run(fn, reps: int):
+    """(median seconds, last output) of reps calls."""
+    times, out = [], None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), out
+
+
+def measure(
+    name,
+    graphdef,
+    params,
+    prompts,
+    lengths,
+    scfg,
+    reps,
+    spec_cfg=None,
+    spec=None,
+    lora=None,
+    lora_scale=1.0,
+    history=None,
+):
+    """One row: compile ahead of time, then time the calls."""
+    key = jax.random.key(0)
+    prompts, lengths = jnp.asarray(prompts, jnp.int32), jnp.asarray(lengths, jnp.int32)
+    t0 = time.perf_counter()
+    if spec_cfg is None:
+        s = Sampler(graphdef)
+        compiled = s._jitted.lower(
+            params,
+            prompts,
+            lengths,
+            key,
+            None,
+            None,
+            cfg=scfg,
+            spec=AttentionSpec(page_size=spec.page_size),
+            lora_scale=1.0,
+        ).compile()
+        call = lambda: compiled(params, prompts, lengths, key, None, None)
+    else:
+        s = SpeculativeSampler(graphdef)
+        compiled = s._jitted.lower(
+            params,
+            prompts,
+            lengths,
+            key,
+            lora,
+            history,
+            cfg=scfg,
+            spec_cfg=spec_cfg,
+            draft_spec=spec,
+            lora_scale=lora_scale,
+            return_cache=False,
+        ).compile()
+        call = lambda: compiled(params, prompts, lengths, key, lora, history)
+    compile_s = time.perf_counter() - t0
+    secs, out = _run(call, reps)
+    rollout = out if spec_cfg is None else out[0]
+    tokens = int(np.asarray(rollout.completion_lengths).sum())
+    row = {
+        "name": name,
+        "compile_s": round(compile_s, 2),
+        "seconds": round(secs, 3),
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / secs, 1),
+    }
+    if spec_cfg is not None:
+        m = jax.device_get(acceptance_summary(out[1], spec_cfg.draft_tokens))
+        row.update({k: round(float(v), 4) for k, v in m.items()})
+    log(json.dumps(row))
+    return row, rollout
+
+
+def with_ratios(rows):
+    base = rows[0]["tokens_per_s"]
+    for r in rows:
+        r["ratio"] = round(r["tokens_per_s"] / base, 3)
+    return rows
+
+
+def step_costs(model, spec, batch, context, k, reps):
+    """Seconds per call at `context` cached tokens (random prompt, dense prefill): a plain
+    dense decode step, a sparse(+phi) draft step, and a dense verify of k + 1 tokens
+    (Transformer.extend): the pieces of one speculative iteration."""
+    dense = AttentionSpec(page_size=spec.page_size)
+    size = buffer_length(context, k + 2, spec.page_size)
+    tokens = jax.random.randint(jax.random.key(1), (batch, context), 2, model.cfg.vocab_size)
+    lengths = jnp.full((batch,), context, jnp.int32)
+    caches = model.init_cache(batch, size, spec)
+    _, caches = jax.jit(lambda t, c: model.prefill(t, lengths, c, spec))(tokens, caches)
+    pos = lengths
+    # Caches donated and threaded through the calls: updated in place, as in the loops.
+    calls = {
+        "plain_step_s": lambda c: model.decode(tokens[:, -1], pos, c, dense)[:2],
+        "draft_step_s": lambda c: model.decode(tokens[:, -1], pos, c, spec)[:2],
+        "verify_s": lambda c: model.extend(tokens[:, -k - 1 :], pos, c, dense),
+    }
+    out = {"context": context}
+    for name, fn in calls.items():
+        fn = jax.jit(fn, donate_argnums=0)
+        caches = jax.tree.map(jnp.copy, caches)
+        caches = jax.block_until_ready(fn(caches))[1]
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            caches = jax.block_until_ready(fn(caches))[1]
+            times.append(time.perf_counter() - t0)
+        out[name] = round(float(np.median(times)), 5)
+    log(json.dumps(out))
+    return out
+
+
+def part_random(args, spec):
+    from flax import nnx
+
+    from dsparse_jax.model.config import preset
+    from dsparse_jax.model.transformer import Transformer
+
+    cfg = preset(args.preset)
+    model = Transformer(cfg, nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    rng = np.random.default_rng(0)
+    p = args.batch // args.samples
+    prompts = rng.integers(2, cfg.vocab_size, (p, args.prompt_len))
+    lengths = np.full(p, args.prompt_len)
+    out = []
+    for gen in args.gen:
+        scfg = SamplingConfig(
+            gen, -1, 0, temperature=args.temperature, samples_per_prompt=args.samples
+        )
+        rows = [measure("plain", graphdef, params, prompts, lengths, scfg, args.reps, spec=spec)[0]]
+        for draft in args.drafts:
+            sc = SpeculativeConfig(draft=draft, draft_tokens=args.k, ngram=args.ngram)
+            dspec = spec if draft == "sparse_self" else AttentionSpec(page_size=spec.page_size)
+            rows.append(
+                measure(draft, graphdef, params, prompts, lengths, scfg, args.reps, sc, dspec)[0]
+            )
+        costs = step_costs(model, spec, args.batch, args.prompt_len + gen // 2, args.k, 5)
+        out.append({"generated_tokens": gen, "rows": with_ratios(rows), "step_costs": costs})
+    return out
+
+
+def part_trained(args, spec):
+    from dsparse_jax.config import schema
+    from dsparse_jax.data import batches, sources
+    from dsparse_jax.train import context, trained
+
+    config = trained.workdir_config(args.workdir)
+    config.rl.samples_per_prompt = args.samples
+    config.rl.samples_generated = 0
+    ctx = context.build(config)
+    _ = schema  # the config carries every default
+    base = trained.load(ctx, args.workdir)
+    p = args.batch // args.samples
+    problems = sources.problems(ctx.task, "train", 0, p, config.seed)
+    width = batches.prompt_buffer(ctx.task)
+    prompts, lengths = batches.encode_prompts(ctx.tok, problems, width)
+    gen = batches.completion_budget(ctx.task)
+    scfg = SamplingConfig(
+        gen,
+        ctx.tok.eos_id,
+        ctx.tok.pad_id,
+        temperature=args.temperature,
+        samples_per_prompt=args.samples,
+    )
+    spec = dataclasses.replace(ctx.rollout_spec, impl="xla")
+    common = (ctx.graphdef, base.params, prompts, lengths, scfg, args.reps)
+    rows = [measure("plain", *common, spec=spec)[0]]
+    rows.append(
+        measure("sparse_self (phi=0)", *common, SpeculativeConfig("sparse_self", args.k), spec)[0]
+    )
+    bank = HistoryBank(p, args.history_per_prompt, buffer_length(width, gen, spec.page_size))
+    slots = bank.slots([prompt_key(x[:n]) for x, n in zip(prompts, lengths)])
+    hist_cfg = SpeculativeConfig("history", args.k, ngram=args.ngram)
+    dense = AttentionSpec(page_size=spec.page_size)
+    for epoch in (1, 2):
+        row, r = measure(
+            f"history (epoch {epoch})",
+            *common,
+            hist_cfg,
+            dense,
+            history=bank.rows(slots, bank.tokens.shape[2]),
+        )
+        rows.append(row)
+        bank.add(slots, r.tokens, r.lengths, args.samples)
+    out = {
+        "workdir": args.workdir,
+        "theta": base.source,
+        "generated_tokens_max": gen,
+        "rows": with_ratios(rows),
+    }
+    if args.phi_workdir:
+        tuned = trained.load(ctx, args.phi_workdir)
+        if tuned.lora is None:
+            raise SystemExit(
+                f"--phi_workdir: {args.phi_workdir} has no phi (not a distillsparse run)"
+            )
+        common = (ctx.graphdef, tuned.params, prompts, lengths, scfg, args.reps)
+        scale = ctx.lora_cfg.scale
+        zero = jax.tree.map(jnp.zeros_like, tuned.lora)
+        sc = SpeculativeConfig("sparse_self", args.k)
+        phi_rows = [measure("plain (rl theta)", *common, spec=spec)[0]]
+        phi_rows.append(measure("sparse_self (phi=0)", *common, sc, spec, zero, scale)[0])
+        phi_rows.append(
+            measure("sparse_self (trained phi)", *common, sc, spec, tuned.lora, scale)[0]
+        )
+        out["phi"] = {
+            "workdir": args.phi_workdir,
+            "theta": tuned.source,
+            "rows": with_ratios(phi_rows),
+        }
+    ctx.rewarder.close()
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--quick", action="store_true", help="tiny smoke run")
+    ap.add_argument("--preset", default="mini")
+    ap.add_argument("--gen", default="1024,4096", help="part 1 generation lengths (0: skip)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--samples", type=int, default=4, help="samples per prompt")
+    ap.add_argument("--prompt_len", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--k", type=int, default=4, help="draft tokens per verify")
+    ap.add_argument("--ngram", type=int, default=4)
+    ap.add_argument("--budget", type=int, default=8, help="sparse_self pages per step")
+    ap.add_argument("--page_size", type=int, default=16)
+    ap.add_argument("--drafts", default="sparse_self,history")
+    ap.add_argument("--history_per_prompt", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--workdir", default="", help="part 2: a long-chain run (SFT or RL)")
+    ap.add_argument("--phi_workdir", default="", help="part 2: a distillsparse run's phi")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    args.gen = [int(x) for x in args.gen.split(",") if int(x) > 0]
+    args.drafts = args.drafts.split(",")
+    if args.quick:
+        args.gen, args.batch, args.samples, args.prompt_len = [64], 8, 2, 16
+    spec = AttentionSpec(
+        page_size=args.page_size,
+        sparse=SparseSpec(budget=args.budget, dense_layers=2),
+    )
+    result = {
+        "host": platform.node(),
+        "backend": jax.default_backend(),
+        "batch": args.batch,
+        "samples_per_prompt": args.samples,
+        "draft_tokens": args.k,
+        "temperature": args.temperature,
+        "budget_pages": args.budget,
+    }
+    if args.gen:
+        result["random"] = part_random(args, spec)
+    if args.workdir:
+        result["trained"] = part_trained(args, spec)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
