@@ -153,6 +153,15 @@ def sample_token(logits_BxV, key, cfg: SamplingConfig):
     return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
 
+def top_logprobs(logits_xV, cfg: SamplingConfig):
+    """The cfg.top_logprobs largest entries of log_softmax(logits / temperature) over the
+    last axis, (values f32, ids int32); greedy (temperature 0) reports temperature-1
+    log-probs, like `logprobs`."""
+    t = cfg.temperature if cfg.temperature > 0 else 1.0
+    vals, ids = jax.lax.top_k(jax.nn.log_softmax(logits_xV / t, axis=-1), cfg.top_logprobs)
+    return vals, ids.astype(jnp.int32)
+
+
 def buffer_length(prompt_len: int, max_new_tokens: int, page_size: int) -> int:
     total = prompt_len + max_new_tokens
     return -(-total // page_size) * page_size
@@ -277,12 +286,10 @@ class Sampler:
             tokens = tokens.at[rows, write_pos_B].set(tok)
             logprobs = logprobs.at[rows, write_pos_B].set(lp)
             if top is not None:
-                # Greedy (temperature 0) reports temperature-1 log-probs, like `logprobs`.
-                t = cfg.temperature if cfg.temperature > 0 else 1.0
-                vals, ids = jax.lax.top_k(jax.nn.log_softmax(logits_BxV / t, axis=-1), k_top)
+                vals, ids = top_logprobs(logits_BxV, cfg)
                 top = (
                     top[0].at[rows, write_pos_B].set(vals),
-                    top[1].at[rows, write_pos_B].set(ids.astype(jnp.int32)),
+                    top[1].at[rows, write_pos_B].set(ids),
                 )
             ncomp = ncomp + (~done).astype(jnp.int32)
             done = done | (tok == cfg.eos_id)

@@ -58,6 +58,7 @@ from dsparse_jax.sampling.sampler import (
     sample_token,
     sampling_logprobs,
     scaled_logits,
+    top_logprobs,
 )
 
 
@@ -306,17 +307,17 @@ class SpeculativeSampler:
         tok, lp = sample_token(logits, sub, cfg)
         tokens = tokens.at[rows, prompt_len_B].set(tok)
         logprobs = jnp.zeros((b, s), jnp.float32).at[rows, prompt_len_B].set(lp)
-        top = _top_logprobs(cfg, logits[:, None])
-        if top is not None:
+        top = None
+        if cfg.top_logprobs:
             top = tuple(
-                jnp.zeros((b, s) + x.shape[2:], x.dtype).at[rows, prompt_len_B].set(x[:, 0])
-                for x in top
+                jnp.zeros((b, s) + x.shape[1:], x.dtype).at[rows, prompt_len_B].set(x)
+                for x in top_logprobs(logits, cfg)
             )
         sparse = transformer.sparse_layers(model.cfg, cache_spec) if drafter.sparse else []
         kv, p = model.cfg.num_kv_heads, cache_spec.sparse.max_pages if sparse else 0
-        page_ids = {i: jnp.full((b, s, kv, p), -1, jnp.int32) for i in sparse}
-        if not spec_cfg.record_pages:
-            page_ids = {}
+        page_ids = {}
+        if spec_cfg.record_pages:
+            page_ids = {i: jnp.full((b, s, kv, p), -1, jnp.int32) for i in sparse}
         ncomp = jnp.ones((b,), jnp.int32)
         done = (tok == cfg.eos_id) | (cfg.max_new_tokens <= 1)
         stats = SpecStats(
@@ -354,7 +355,7 @@ class SpeculativeSampler:
             lp_new = jnp.take_along_axis(logp, new[..., None], -1)[..., 0]
             logprobs = logprobs.at[rows[:, None], write].set(lp_new, mode="drop")
             if top is not None:
-                vals, ids = _top_logprobs(cfg, logits)
+                vals, ids = top_logprobs(logits, cfg)
                 top = (
                     top[0].at[rows[:, None], write].set(vals, mode="drop"),
                     top[1].at[rows[:, None], write].set(ids, mode="drop"),
@@ -402,16 +403,6 @@ class SpeculativeSampler:
             prompt_width=l,
         )
         return (rollout, stats, caches) if return_cache else (rollout, stats)
-
-
-def _top_logprobs(cfg: SamplingConfig, logits_BxTxV):
-    """The k largest log-probs of log_softmax(logits / temperature) (temperature 1 when
-    greedy), as the plain sampler reports them; None when cfg.top_logprobs is 0."""
-    if not cfg.top_logprobs:
-        return None
-    t = cfg.temperature if cfg.temperature > 0 else 1.0
-    vals, ids = jax.lax.top_k(jax.nn.log_softmax(logits_BxTxV / t, axis=-1), cfg.top_logprobs)
-    return vals, ids.astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("k",))
