@@ -212,3 +212,108 @@ def test_weighted_auc_and_groups_mixed_against_brute_force():
     assert abs(pruning_metrics.weighted_auc(s, y, w) - num / den) < 1e-12
     assert np.isnan(pruning_metrics.weighted_auc(s, np.ones(40)))
     assert pruning_metrics.groups_mixed(np.array([[1, 1], [0, 1], [0, 0], [1, 0]])) == 0.5
+
+
+# ----------------------------------------------------------------------------- RL integration
+def _prune_run(tmp_path=None):
+    import copy
+
+    from dsparse_jax.config.validate import validate
+    from dsparse_jax.train import context
+    from tests.test_modes import base_config
+
+    c = base_config()
+    c.rl.rollout_mode = "dense"
+    c.rl.prune.enabled = True
+    c.rl.prune.generated = 4  # M' = 4 -> n = 2 (+ 1 label row per checkpoint)
+    c.rl.prune.positions = "3"
+    c.rl.prune.head_hidden = 8
+    validate(c)
+    return context.build(copy.deepcopy(c))
+
+
+def binary_score(tok, rollout, problems, rewarder=None, where=""):
+    """A 0/1 reward an untrained model earns half the time: more odd than even tokens."""
+    from dsparse_jax.data import rewards
+
+    m = np.asarray(rollout.completion_mask)
+    odd = np.asarray((rollout.tokens % 2) * m).sum(1)
+    r = (odd * 2 > m.sum(1)).astype(np.float64)
+    return rewards.Scored(r, np.zeros(len(r), bool), {"reward_errors": 0}), ["x"] * len(r)
+
+
+@pytest.mark.slow
+def test_rl_step_with_pruning_trains_the_head_and_checkpoints_it(tmp_path, monkeypatch):
+    import math
+
+    from dsparse_jax.reliability import checkpoints
+    from dsparse_jax.train import phases, rl_loop
+
+    monkeypatch.setattr(phases, "grade", binary_score)
+    run = _prune_run()
+    setup = rl_loop.make_setup(run)
+    assert setup.prune.sizes == (2,) and setup.prune_generated == 4
+    st = rl_loop.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
+    head0 = jax.tree.map(np.asarray, st.head)
+    rng = jax.random.key(0)
+    for step in range(2):
+        rng, k = jax.random.split(rng)
+        st, m = rl_loop.rl_step(run, setup, st, k, step)
+    for key in (
+        "time_update_head",
+        "prune_head_loss",
+        "prune_groups_mixed_kept",
+        "prune_groups_mixed_completed",
+        "prune_tokens_generated",
+        "prune_token_ratio",
+        "groups_mixed",
+        "tokens_generated",
+        "tokens_trained",
+    ):
+        assert key in m and math.isfinite(m[key]), (key, m.get(key))
+    assert "prune_head_auc" in m and m["skipped_updates"] == 0
+    assert m["prune_head_loss_after"] < m["prune_head_loss"]
+    assert m["tokens_generated"] == m["prune_tokens_generated"] > m["tokens_trained"]
+    assert any(
+        (np.asarray(a) != b).any() for a, b in zip(jax.tree.leaves(st.head), jax.tree.leaves(head0))
+    )
+    # The head and its optimizer state round-trip through a checkpoint.
+    ckpt = checkpoints.Checkpointer(str(tmp_path), "ck")
+    ckpt.save(2, rl_loop._saveable(st, jax.random.key(5), 2, 7), force=True)
+    ckpt.wait()
+    fresh = rl_loop.init_state(run, setup, run.init_params)
+    got, _, step = rl_loop._restore(ckpt, 2, fresh, jax.random.key(0))
+    ckpt.close()
+    assert step == 2
+    for a, b in zip(
+        jax.tree.leaves((got.head, got.head_opt_state)),
+        jax.tree.leaves((st.head, st.head_opt_state)),
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    run.rewarder.close()
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("generated", 2, "rl.prune.generated"),
+        ("positions", "8,4", "rl.prune.positions"),
+        ("positions", "x", "rl.prune.positions"),
+        ("positions", "500", "rl.prune.positions"),
+        ("rho", 1.5, "rl.prune.rho"),
+        ("label_rows", 9, "rl.prune.label_rows"),
+        ("layer", 7, "rl.prune.layer"),
+        ("head_learning_rate", 0.0, "rl.prune.head_learning_rate"),
+        ("head_steps", 0, "rl.prune.head_steps"),
+    ],
+)
+def test_prune_config_validation(field, value, match):
+    from dsparse_jax.config.validate import ConfigError, validate
+    from tests.test_modes import base_config
+
+    c = base_config()
+    c.rl.prune.enabled = True
+    c.rl.prune.positions = "3"
+    c.rl.prune[field] = value
+    with pytest.raises(ConfigError, match=f"config.{match}"):
+        validate(c)
