@@ -317,3 +317,31 @@ def test_prune_config_validation(field, value, match):
     c.rl.prune[field] = value
     with pytest.raises(ConfigError, match=f"config.{match}"):
         validate(c)
+
+
+# ----------------------------------------------------------------------------- test time
+def test_quality_weighted_majority_vote():
+    from dsparse_jax.train.evaluation import maj_at_k
+
+    answers = [["1", "1", "2"], ["3", None, "4"]]
+    correct = np.array([[0, 0, 1], [1, 0, 0]])
+    assert maj_at_k(answers, correct) == 0.5  # "1" wins 2:1; "3" first seen of a 1:1 tie
+    w = np.array([[0.1, 0.2, 0.9], [0.2, 1.0, 0.7]])
+    assert maj_at_k(answers, correct, w) == 0.5  # "2" wins 0.9:0.3; "4" wins 0.7:0.2
+    assert maj_at_k(answers, correct, np.ones((2, 3))) == maj_at_k(answers, correct)
+
+
+@pytest.mark.slow
+def test_eval_head_scores_equal_the_samplers():
+    """The evaluator's teacher-forced head scores (qmaj@k weights) reproduce the scores the
+    sampler gave each row at the last checkpoint (same features, same position)."""
+    from dsparse_jax.train.evaluation import _head_scores_fn
+
+    _, graphdef, params, head, _, r, rec = setup()
+    fn = _head_scores_fn(graphdef, PRUNE.layer, SPARSE, 1.0)
+    got = np.asarray(
+        fn(params, None, head, r.tokens, r.prompt_lengths, r.completion_lengths, r.pages(), 7)
+    )
+    m = np.asarray(rec.scored)[:, -1]
+    assert m.sum() >= P * PRUNE.n
+    np.testing.assert_allclose(got[m], np.asarray(rec.scores)[m, -1], atol=1e-4)

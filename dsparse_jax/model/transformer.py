@@ -281,15 +281,27 @@ class Transformer(nnx.Module):
         lora=None,
         lora_scale: float = 1.0,
         return_hidden: bool = False,
+        hidden_at: int | None = None,
     ):
         """Teacher-forced logits [B, T, V] (f32).
 
         pages: optional {layer: selection.PageRecord} decode record (Rollout.pages()) that makes
-        the spec's sparse layers attend exactly where the sampler did.
+        the spec's sparse layers attend exactly where the sampler did. return_hidden: also
+        the last layer's output [B, T, D]; hidden_at = i: also layer i's output instead.
         """
-        x, _, _ = self._run(
-            self._embed(tokens_BxT), "train", spec, None, lora, lora_scale, pages=pages
+        out = self._run(
+            self._embed(tokens_BxT),
+            "train",
+            spec,
+            None,
+            lora,
+            lora_scale,
+            pages=pages,
+            hidden_at=hidden_at,
         )
+        x = out[0]
+        if hidden_at is not None:
+            return self._logits(x), out[3]
         return (self._logits(x), x) if return_hidden else self._logits(x)
 
     def prefill(
