@@ -12,7 +12,8 @@ policy, exact from full logits) are logged every step; see distill.py.
 Resumable: the checkpoint holds params, optimizer state, the RNG key (every step's
 rollout, filter and shuffle keys derive from it), the step, the data position and the
 count of consecutive skipped steps, and where the actor has phi the LoRA tree and its
-optimizer state; a restart continues exactly from the newest usable checkpoint in
+optimizer state, and with rl.prune the quality head and its optimizer state; a
+restart continues exactly from the newest usable checkpoint in
 <workdir>/checkpoints (corrupt ones are skipped) and drops metrics of steps it is about to
 redo. A non-finite loss or gradient skips the update; rl.max_consecutive_skips in a row
 halt the run. See docs/reliability.md.
