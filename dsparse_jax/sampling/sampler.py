@@ -158,9 +158,8 @@ def sample_token_rows(logits_BxV, keys_B, cfg: SamplingConfig):
     """sample_token with one key per row: a row's draw does not depend on the others."""
     if cfg.temperature == 0.0:
         return sample_token(logits_BxV, None, cfg)
-    scaled = _scaled_logits(logits_BxV, cfg)
-    tok = jax.vmap(jax.random.categorical)(keys_B, scaled).astype(jnp.int32)
-    logp = jax.nn.log_softmax(scaled, axis=-1)
+    logp = sampling_logprobs(logits_BxV, cfg)  # categorical is shift-invariant per row
+    tok = jax.vmap(jax.random.categorical)(keys_B, logp).astype(jnp.int32)
     return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
 
