@@ -12,6 +12,8 @@ evaluated where the run's rollout mode has one. --checkpoint: a Hugging Face dir
 "sparse" policy is sparse attention (config.sparse) without an adapter. Prints a table,
 writes JSON (--out, default <workdir>/eval_<source>.json, or eval.json next to the
 checkpoint), with a progress line while it samples. Same error convention as train.py.
+A run trained with rl.prune also gets qmaj@k: maj@k with each vote weighted by its rollout
+quality head's P(correct) (docs/pruning.md).
 """
 
 import json
@@ -40,7 +42,8 @@ def _config(args, path, overrides):
 
 
 def _policies(ctx, args):
-    """[(name, params, lora, lora_scale, spec)] to evaluate, and where they came from."""
+    """[(name, params, lora, lora_scale, spec)] to evaluate, where they came from, and the
+    run's rollout quality head (rl.prune runs) as report() keyword arguments ({} if none)."""
     from dsparse_jax.train import trained
 
     if args.workdir:
@@ -48,11 +51,19 @@ def _policies(ctx, args):
         out = [("dense", t.params, None, 1.0, ctx.spec)]
         if t.setup.mode.has_twin:
             out.append(("sparse_actor", t.params, t.lora, t.setup.lora_scale, t.setup.rollout_spec))
-        return out, t.source
-    return [
-        ("dense", ctx.init_params, None, 1.0, ctx.spec),
-        ("sparse", ctx.init_params, None, 1.0, ctx.rollout_spec),
-    ], args.checkpoint
+        head = {}
+        if t.head is not None:  # quality-weighted maj@k, at the head's last checkpoint
+            p = t.setup.prune
+            head = dict(head=t.head, head_layer=p.layer, head_position=p.positions[-1])
+        return out, t.source, head
+    return (
+        [
+            ("dense", ctx.init_params, None, 1.0, ctx.spec),
+            ("sparse", ctx.init_params, None, 1.0, ctx.rollout_spec),
+        ],
+        args.checkpoint,
+        {},
+    )
 
 
 def table(results: dict) -> str:
@@ -90,7 +101,7 @@ def main(argv: list[str]) -> int:
     validate(config)
     ctx = context.build(config)
     try:
-        policies, source = _policies(ctx, args)
+        policies, source, head = _policies(ctx, args)
         k = config.eval.mean_at_k if args.k is None else args.k
         per_policy = ctx.evaluator.num_batches() * (2 if k else 1)
         progress = Progress("eval", per_policy * len(policies), every=1)
@@ -111,6 +122,7 @@ def main(argv: list[str]) -> int:
                 lora_scale=scale,
                 spec=spec,
                 on_batch=tick,
+                **head,
             )
         progress.close()
     finally:

@@ -177,6 +177,19 @@ def defaults() -> ml_collections.ConfigDict:
     # Halt after this many consecutive steps whose update was skipped for a non-finite
     # loss or gradient (0: never halt). docs/reliability.md.
     c.rl.max_consecutive_skips = 5
+    # Online rollout pruning with a learned quality head (ARRoL-style; docs/pruning.md):
+    # generate `generated` rows per prompt, score the live ones at each checkpoint, keep
+    # samples_per_prompt (n) balanced around rho; the head trains online on completed rows.
+    c.rl.prune = ml_collections.ConfigDict()
+    c.rl.prune.enabled = False
+    c.rl.prune.generated = 0  # M' > n rows generated per prompt; 0: 2n
+    c.rl.prune.positions = "24"  # comma list of checkpoints (completion tokens), increasing
+    c.rl.prune.rho = 0.5  # target fraction of predicted successes among the kept n
+    c.rl.prune.label_rows = 1  # per prompt and checkpoint: would-be-pruned rows run on (labels)
+    c.rl.prune.layer = -1  # the layer whose output the head reads (negative: from the end)
+    c.rl.prune.head_hidden = 64  # MLP width; 0: a linear probe
+    c.rl.prune.head_learning_rate = 1e-3
+    c.rl.prune.head_steps = 8  # Adam steps on each RL step's completed rows
 
     # Block-sparse decode of the rollout policy (not dense mode). Page size: attention.
     c.sparse = ml_collections.ConfigDict()

@@ -407,3 +407,84 @@ def _validate_modes(c) -> None:
         "must be > 0 with distill.loss=kl_only (the loss would be zero)",
     )
     _positive_int(c, "metrics.position_bin")
+    _validate_prune(c)
+
+
+def prune_positions(text: str) -> tuple[int, ...]:
+    """rl.prune.positions as a tuple of ints (ValueError if it does not parse)."""
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    return tuple(int(p) for p in parts)
+
+
+def _validate_prune(c) -> None:
+    """rl.prune: M' > n, checkpoints inside the completion budget, label rows that fit."""
+    from dsparse_jax.data import batches, math_task
+
+    p, r = c.rl.prune, c.rl
+    _check(isinstance(p.enabled, bool), "rl.prune.enabled", "must be true or false")
+    n = r.samples_per_prompt
+    _check(
+        isinstance(p.generated, int) and (p.generated == 0 or p.generated > n),
+        "rl.prune.generated",
+        f"must be 0 (= 2n) or > rl.samples_per_prompt ({n}), got {p.generated!r}",
+    )
+    try:
+        pos = prune_positions(p.positions)
+    except ValueError:
+        pos = ()
+    _check(
+        bool(pos) and all(x >= 1 for x in pos) and list(pos) == sorted(set(pos)),
+        "rl.prune.positions",
+        f"must be a comma list of increasing token counts >= 1, got {p.positions!r}",
+    )
+    _check(0.0 <= p.rho <= 1.0, "rl.prune.rho", f"must be in [0, 1], got {p.rho!r}")
+    _nonneg(c, "rl.prune.label_rows", integer=True)
+    _check(isinstance(p.layer, int), "rl.prune.layer", "must be an integer")
+    _nonneg(c, "rl.prune.head_hidden", integer=True)
+    _lr(c, "rl.prune.head_learning_rate")
+    _positive_int(c, "rl.prune.head_steps")
+    if not p.enabled:
+        return
+    m = p.generated or 2 * n
+    sizes = prune_sizes(m, n, len(pos))
+    groups = (m,) + sizes
+    _check(
+        all(g > k for g, k in zip(groups, groups[1:])),
+        "rl.prune.positions",
+        f"{len(pos)} checkpoints cannot each prune from {m} to {n} rows per prompt",
+    )
+    for g, k in zip(groups, groups[1:]):
+        _check(
+            g - k >= p.label_rows,
+            "rl.prune.label_rows",
+            f"must be <= the {g - k} rows pruned per prompt at a checkpoint ({g} -> {k})",
+        )
+    _check(r.samples_generated == 0, "rl.samples_generated", "must be 0 with rl.prune.enabled")
+    if str(c.data.source).startswith("synthetic:"):
+        try:
+            budget = batches.completion_budget(math_task.from_config(c.task))
+        except ValueError:
+            return  # reported by the shape checks
+    else:
+        budget = c.data.max_new_tokens
+    _check(
+        pos[-1] < budget,
+        "rl.prune.positions",
+        f"the last checkpoint ({pos[-1]}) must be < the completion budget ({budget} tokens)",
+    )
+    if c.model.get("checkpoint_dir", ""):
+        return  # the checkpoint's depth is checked when the head is built
+    try:
+        from dsparse_jax.model.config import preset
+
+        layers = preset(c.model.preset, **schema.model_overrides(c.model)).num_layers
+    except (ValueError, TypeError):
+        return
+    _check(-layers <= p.layer < layers, "rl.prune.layer", f"must be in [-{layers}, {layers - 1}]")
+
+
+def prune_sizes(generated: int, n: int, checkpoints: int) -> tuple[int, ...]:
+    """Rows kept per prompt after each checkpoint: from M' down to n in even steps."""
+    return tuple(
+        round(generated - (generated - n) * (i + 1) / checkpoints) for i in range(checkpoints)
+    )

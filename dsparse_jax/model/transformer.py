@@ -250,8 +250,10 @@ class Transformer(nnx.Module):
         )
         return softcap(logits, self.cfg.final_softcap)
 
-    def _run(self, x, mode, spec, caches, lora, lora_scale, pages=None, **kw):
-        new_caches, page_ids = [], []
+    def _run(self, x, mode, spec, caches, lora, lora_scale, pages=None, hidden_at=None, **kw):
+        """(x after the last layer, caches, page ids); with hidden_at = i also x after
+        layer i (a fourth output)."""
+        new_caches, page_ids, hidden = [], [], None
         for i, block in enumerate(self.layers):
             layer_lora = None if lora is None else lora.get(i)
             layer_pages = None if pages is None else pages.get(i)
@@ -268,6 +270,10 @@ class Transformer(nnx.Module):
             )
             new_caches.append(cache)
             page_ids.append(ids)
+            if hidden_at is not None and i == hidden_at % len(self.layers):
+                hidden = x
+        if hidden_at is not None:
+            return x, new_caches, page_ids, hidden
         return x, new_caches, page_ids
 
     # -- the three modes
@@ -280,15 +286,27 @@ class Transformer(nnx.Module):
         lora=None,
         lora_scale: float = 1.0,
         return_hidden: bool = False,
+        hidden_at: int | None = None,
     ):
         """Teacher-forced logits [B, T, V] (f32).
 
         pages: optional {layer: selection.PageRecord} decode record (Rollout.pages()) that makes
-        the spec's sparse layers attend exactly where the sampler did.
+        the spec's sparse layers attend exactly where the sampler did. return_hidden: also
+        the last layer's output [B, T, D]; hidden_at = i: also layer i's output instead.
         """
-        x, _, _ = self._run(
-            self._embed(tokens_BxT), "train", spec, None, lora, lora_scale, pages=pages
+        out = self._run(
+            self._embed(tokens_BxT),
+            "train",
+            spec,
+            None,
+            lora,
+            lora_scale,
+            pages=pages,
+            hidden_at=hidden_at,
         )
+        x = out[0]
+        if hidden_at is not None:
+            return self._logits(x), out[3]
         return (self._logits(x), x) if return_hidden else self._logits(x)
 
     def prefill(
@@ -317,12 +335,25 @@ class Transformer(nnx.Module):
         *,
         lora=None,
         lora_scale: float = 1.0,
+        hidden_at: int | None = None,
     ):
-        """One step. Returns (logits [B, V], caches, page_ids per layer (None if dense))."""
-        x, caches, page_ids = self._run(
-            self._embed(tokens_B[:, None]), "decode", spec, caches, lora, lora_scale, pos_B=pos_B
+        """One step. Returns (logits [B, V], caches, page_ids per layer (None if dense)); with
+        hidden_at = i (negative: from the end) also the residual stream after layer i [B, D]
+        (the quality head's features, model/quality_head.py)."""
+        out = self._run(
+            self._embed(tokens_B[:, None]),
+            "decode",
+            spec,
+            caches,
+            lora,
+            lora_scale,
+            pos_B=pos_B,
+            hidden_at=hidden_at,
         )
-        return self._logits(x[:, 0]), caches, page_ids
+        logits = self._logits(out[0][:, 0])
+        if hidden_at is not None:
+            return logits, out[1], out[2], out[3][:, 0]
+        return logits, out[1], out[2]
 
     def extend(
         self,

@@ -31,8 +31,9 @@ from flax import nnx
 from dsparse_jax.attention import cache as kv_cache
 from dsparse_jax.attention.selection import PageRecord
 from dsparse_jax.attention.spec import AttentionSpec
-from dsparse_jax.model import transformer
+from dsparse_jax.model import quality_head, transformer
 from dsparse_jax.parallel import sharding
+from dsparse_jax.sampling import pruning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +163,15 @@ def top_logprobs(logits_xV, cfg: SamplingConfig):
     return vals, ids.astype(jnp.int32)
 
 
+def sample_token_rows(logits_BxV, keys_B, cfg: SamplingConfig):
+    """sample_token with one key per row: a row's draw does not depend on the others."""
+    if cfg.temperature == 0.0:
+        return sample_token(logits_BxV, None, cfg)
+    logp = sampling_logprobs(logits_BxV, cfg)  # categorical is shift-invariant per row
+    tok = jax.vmap(jax.random.categorical)(keys_B, logp).astype(jnp.int32)
+    return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+
+
 def buffer_length(prompt_len: int, max_new_tokens: int, page_size: int) -> int:
     total = prompt_len + max_new_tokens
     return -(-total // page_size) * page_size
@@ -196,7 +206,7 @@ class Sampler:
 
     def __init__(self, graphdef):
         self.graphdef = graphdef
-        self._jitted = jax.jit(self._sample, static_argnames=("cfg", "spec", "lora_scale"))
+        self._jitted = jax.jit(self._sample, static_argnames=("cfg", "spec", "lora_scale", "prune"))
 
     def __call__(
         self,
@@ -209,14 +219,23 @@ class Sampler:
         lora=None,
         lora_scale: float = 1.0,
         forced_BxS=None,
+        prune: pruning.PruneConfig | None = None,
+        head=None,
     ):
         """Returns a Rollout with B * samples_per_prompt rows (a prompt's samples contiguous).
+
+        Row r's samples depend only on (key, r): each row draws from its own stream
+        fold_in(fold_in(key, r), step), whatever its batch neighbours are.
 
         forced_BxS: optional tokens to replay instead of sampling (a Rollout's `tokens`,
         one row per prompt, samples_per_prompt 1): every decode step runs as when sampling
         (the same page selection, recorded) but feeds the forced token, and `logprobs`
         holds its log-prob under this policy's sampling distribution. Rows end at the
         forced EOS or at max_new_tokens.
+
+        prune (with `head`, model/quality_head.py params): online pruning of the M' =
+        samples_per_prompt rows per prompt at prune.positions (sampling/pruning.py);
+        returns (Rollout with B * prune.rows_per_prompt rows, PruneRecord).
         """
         lengths = jnp.asarray(prompt_lengths_B, jnp.int32)
         if prompts_BxL.shape[0] != lengths.shape[0]:
@@ -225,6 +244,12 @@ class Sampler:
             cfg.samples_per_prompt != 1 or forced_BxS.shape[0] != lengths.shape[0]
         ):
             raise ValueError("forced tokens need one row per prompt and samples_per_prompt=1")
+        if prune is not None:
+            if forced_BxS is not None or head is None:
+                raise ValueError("pruning needs a quality head and no forced tokens")
+            prune.check(cfg.samples_per_prompt)
+            if prune.positions[-1] >= cfg.max_new_tokens:
+                raise ValueError("PruneConfig.positions must be < max_new_tokens")
         return self._jitted(
             state,
             jnp.asarray(prompts_BxL, jnp.int32),
@@ -232,13 +257,27 @@ class Sampler:
             key,
             lora,
             None if forced_BxS is None else jnp.asarray(forced_BxS, jnp.int32),
+            head,
             cfg=cfg,
             spec=spec,
             lora_scale=lora_scale,
+            prune=prune,
         )
 
     def _sample(
-        self, state, prompts_BxL, prompt_len_B, key, lora, forced_BxS=None, *, cfg, spec, lora_scale
+        self,
+        state,
+        prompts_BxL,
+        prompt_len_B,
+        key,
+        lora,
+        forced_BxS=None,
+        head=None,
+        *,
+        cfg,
+        spec,
+        lora_scale,
+        prune=None,
     ):
         model = nnx.merge(self.graphdef, state)
         if model.merge_lora(lora, lora_scale):  # theta + phi once, not at every decode step
@@ -248,95 +287,201 @@ class Sampler:
         sizes = buffer_schedule(l, cfg.max_new_tokens, spec.page_size, cfg.grow_buffer_from)
         s = sizes[-1]  # the token and record buffers are full size from the start
         run = dict(spec=spec, lora=lora, lora_scale=lora_scale)
+        if prune is not None:
+            run["hidden_at"] = prune.layer
 
         # On a mesh: caches batch over data x fsdp, KV heads over tensor (parallel/sharding.py).
         caches = sharding.constrain_cache(model.init_cache(b0, sizes[0], spec))
-        logits, caches = model.prefill(prompts_BxL, prompt_len_B, caches, **run)
+        logits, caches = model.prefill(prompts_BxL, prompt_len_B, caches, **run_prefill(run))
         if n > 1:  # one prefill serves the n samples of each prompt
             rep = lambda x: jnp.repeat(x, n, axis=0)
             logits, caches = rep(logits), sharding.constrain_cache(jax.tree.map(rep, caches))
             prompts_BxL, prompt_len_B = rep(prompts_BxL), rep(prompt_len_B)
         b = b0 * n
-        rows = jnp.arange(b)
+        source = jnp.arange(b, dtype=jnp.int32)
 
         tokens = jnp.full((b, s), cfg.pad_id, jnp.int32).at[:, :l].set(prompts_BxL)
         tokens = jnp.where(jnp.arange(s)[None] < prompt_len_B[:, None], tokens, cfg.pad_id)
-        logprobs = jnp.zeros((b, s), jnp.float32)
         sparse_layers = transformer.sparse_layers(model.cfg, spec)
         kv, p = model.cfg.num_kv_heads, spec.sparse.max_pages if spec.sparse else 0
-        page_ids = {i: jnp.full((b, s, kv, p), -1, jnp.int32) for i in sparse_layers}
         k_top = cfg.top_logprobs
-        top = (
-            (jnp.zeros((b, s, k_top), jnp.float32), jnp.zeros((b, s, k_top), jnp.int32))
-            if k_top
-            else None
+        # Everything a row carries, leading axis B: pruning gathers the rows of all of it.
+        rs = dict(
+            tokens=tokens,
+            logprobs=jnp.zeros((b, s), jnp.float32),
+            done=jnp.zeros((b,), bool),
+            ncomp=jnp.zeros((b,), jnp.int32),
+            prompt_len=prompt_len_B,
+            key=jax.vmap(jax.random.fold_in, (None, 0))(key, source),
+            page_ids={i: jnp.full((b, s, kv, p), -1, jnp.int32) for i in sparse_layers},
+            caches=caches,
         )
+        if k_top:
+            rs["top"] = (jnp.zeros((b, s, k_top), jnp.float32), jnp.zeros((b, s, k_top), jnp.int32))
+        if prune is not None:
+            c, d = len(prune.positions), model.cfg.d_model
+            rs.update(
+                source=source,
+                feat=jnp.zeros((b, d), jnp.float32),
+                feats=jnp.zeros((b, c, d), jnp.float32),
+                scores=jnp.zeros((b, c), jnp.float32),
+                scored=jnp.zeros((b, c), bool),
+                is_label=jnp.zeros((b,), bool),
+                weight=jnp.ones((b,), jnp.float32),
+            )
 
-        def emit(carry, logits_BxV, key, write_pos_B):
+        def emit(rs, logits_BxV, step, write_pos_B):
             """Samples one token per row and writes it (and its log-prob) at write_pos_B."""
-            tokens, logprobs, done, ncomp, top = carry
+            rows = jnp.arange(logits_BxV.shape[0])
+            done = rs["done"]
             if forced_BxS is None:
-                tok, lp = sample_token(logits_BxV, key, cfg)
+                keys = jax.vmap(jax.random.fold_in, (0, None))(rs["key"], step)
+                tok, lp = sample_token_rows(logits_BxV, keys, cfg)
             else:  # replay: the forced token, scored by this policy
                 tok = forced_BxS[rows, jnp.minimum(write_pos_B, forced_BxS.shape[1] - 1)]
                 lp = jnp.take_along_axis(sampling_logprobs(logits_BxV, cfg), tok[:, None], -1)
                 lp = lp[:, 0]
             tok = jnp.where(done, cfg.pad_id, tok)
             lp = jnp.where(done, 0.0, lp)
-            tokens = tokens.at[rows, write_pos_B].set(tok)
-            logprobs = logprobs.at[rows, write_pos_B].set(lp)
-            if top is not None:
+            rs = dict(rs)
+            rs["tokens"] = rs["tokens"].at[rows, write_pos_B].set(tok)
+            rs["logprobs"] = rs["logprobs"].at[rows, write_pos_B].set(lp)
+            if k_top:
                 vals, ids = top_logprobs(logits_BxV, cfg)
-                top = (
+                top = rs["top"]
+                rs["top"] = (
                     top[0].at[rows, write_pos_B].set(vals),
                     top[1].at[rows, write_pos_B].set(ids),
                 )
-            ncomp = ncomp + (~done).astype(jnp.int32)
-            done = done | (tok == cfg.eos_id)
-            return tokens, logprobs, done, ncomp, top
+            rs["ncomp"] = rs["ncomp"] + (~done).astype(jnp.int32)
+            rs["done"] = done | (tok == cfg.eos_id)
+            return rs
 
-        key, sub = jax.random.split(key)
-        done = jnp.zeros((b,), bool)
-        ncomp = jnp.zeros((b,), jnp.int32)
-        out = emit((tokens, logprobs, done, ncomp, top), logits, sub, prompt_len_B)
+        rs = emit(rs, logits, jnp.int32(0), prompt_len_B)
 
         def cond(state, last_step):
-            step, _, _, (_, _, done, _, _), _ = state
-            return (step < cfg.max_new_tokens) & (step <= last_step) & ~jnp.all(done)
+            step, rs = state
+            return (step < cfg.max_new_tokens) & (step <= last_step) & ~jnp.all(rs["done"])
 
         def body(state):
-            step, key, caches, out, page_ids = state
-            pos_B = prompt_len_B + step - 1  # position of the token fed in this step
-            logits, caches, ids = model.decode(out[0][rows, pos_B], pos_B, caches, **run)
-            page_ids = {i: page_ids[i].at[rows, pos_B].set(ids[i]) for i in page_ids}
-            key, sub = jax.random.split(key)
-            out = emit(out, logits, sub, pos_B + 1)
-            return step + 1, key, caches, out, page_ids
+            step, rs = state
+            rows = jnp.arange(rs["done"].shape[0])
+            pos_B = rs["prompt_len"] + step - 1  # position of the token fed in this step
+            out = model.decode(rs["tokens"][rows, pos_B], pos_B, rs["caches"], **run)
+            logits, caches, ids = out[:3]
+            rs = dict(rs, caches=caches)
+            rs["page_ids"] = {i: v.at[rows, pos_B].set(ids[i]) for i, v in rs["page_ids"].items()}
+            if prune is not None:  # the head's features: the last fed completion token's
+                fed = (step - 1 < rs["ncomp"])[:, None]
+                rs["feat"] = jnp.where(fed, out[3].astype(jnp.float32), rs["feat"])
+            rs = emit(rs, logits, step, pos_B + 1)
+            return step + 1, rs
 
-        state = (jnp.int32(1), key, caches, out, page_ids)
-        for i, size in enumerate(sizes):
-            if i:  # move the cache into the next buffer (all rows' positions fit the last one)
-                step, key, caches, out, page_ids = state
-                caches = sharding.constrain_cache(
-                    [kv_cache.grow_layer_cache(c, size, spec.page_size) for c in caches]
-                )
-                state = (step, key, caches, out, page_ids)
+        def prune_at(state, c):
+            """Checkpoint c: score, keep, draw label rows, gather the batch (pruning.py)."""
+            step, rs = state
+            groups = (n,) + prune.sizes
+            carried = c * prune.label_rows
+            probs = quality_head.head_probs(head, rs["feat"])
+            group_row = jnp.tile(jnp.arange(groups[c] + carried) < groups[c], b0)
+            rs = dict(rs)
+            rs["feats"] = rs["feats"].at[:, c].set(rs["feat"])
+            rs["scores"] = rs["scores"].at[:, c].set(probs)
+            rs["scored"] = rs["scored"].at[:, c].set(group_row)
+            rows, new_label, w = pruning.plan_rows(
+                probs,
+                rs["done"],
+                b0,
+                groups[c],
+                carried,
+                prune.sizes[c],
+                prune,
+                jax.random.fold_in(key, 2**31 - 1 - c),  # no row stream uses it
+            )
+            dropped = jnp.sum(rs["ncomp"]) - jnp.sum(rs["ncomp"][rows])
+            rs = jax.tree.map(lambda x: x[rows], rs)
+            rs["caches"] = sharding.constrain_cache(rs["caches"])
+            rs["is_label"] = rs["is_label"] | new_label
+            rs["weight"] = jnp.where(new_label, w, rs["weight"])
+            counters.append(dropped)
+            return step, rs
+
+        # The decode loop in segments: each ends where the cache grows into the next buffer
+        # or at a pruning checkpoint (which gathers the batch into fewer rows).
+        events = [(size - l, 1, i) for i, size in enumerate(sizes)]
+        if prune is not None:
+            events += [(pos, 0, c) for c, pos in enumerate(prune.positions)]
+        counters = []
+        state = (jnp.int32(1), rs)
+        for last, kind, i in sorted(events):
             # Step `step` writes the cache at position <= l + step - 1, which must be < size.
-            state = jax.lax.while_loop(lambda st, last=size - l: cond(st, last), body, state)
-        _, _, _, out, page_ids = state
-        tokens, logprobs, _, ncomp, top = out
+            state = jax.lax.while_loop(lambda st, last=last: cond(st, last), body, state)
+            if kind == 0:
+                state = prune_at(state, i)
+            elif i + 1 < len(sizes):  # move the cache into the next buffer
+                step, rs = state
+                caches = [
+                    kv_cache.grow_layer_cache(c, sizes[i + 1], spec.page_size) for c in rs["caches"]
+                ]
+                state = (step, dict(rs, caches=sharding.constrain_cache(caches)))
+        rs = state[1]
         pos = jnp.arange(s)[None]
-        mask = (pos >= prompt_len_B[:, None]) & (pos < (prompt_len_B + ncomp)[:, None])
-        return Rollout(
-            tokens=tokens,
-            prompt_lengths=prompt_len_B,
+        plen, ncomp = rs["prompt_len"], rs["ncomp"]
+        mask = (pos >= plen[:, None]) & (pos < (plen + ncomp)[:, None])
+        rollout = Rollout(
+            tokens=rs["tokens"],
+            prompt_lengths=plen,
             completion_lengths=ncomp,
             completion_mask=mask.astype(jnp.float32),
-            logprobs=logprobs,
-            page_ids=page_ids,
-            top_logprobs=top,
+            logprobs=rs["logprobs"],
+            page_ids=rs["page_ids"],
+            top_logprobs=rs.get("top"),
             prompt_width=l,
         )
+        if prune is None:
+            return rollout
+        record = PruneRecord(
+            source_rows=rs["source"],
+            is_label=rs["is_label"],
+            weight=rs["weight"],
+            feats=rs["feats"],
+            scores=rs["scores"],
+            scored=rs["scored"],
+            tokens_generated=jnp.sum(ncomp) + sum(counters),
+        )
+        return rollout, record
+
+
+def run_prefill(run: dict) -> dict:
+    """The decode keyword arguments that prefill takes too."""
+    return {k: v for k, v in run.items() if k != "hidden_at"}
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[
+        "source_rows",
+        "is_label",
+        "weight",
+        "feats",
+        "scores",
+        "scored",
+        "tokens_generated",
+    ],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class PruneRecord:
+    """What a pruned rollout adds, per final row (aligned with the Rollout's rows) and per
+    checkpoint c."""
+
+    source_rows: jax.Array  # int32 [B]: the row's index in the unpruned M'-row batch
+    is_label: jax.Array  # bool [B]: a label row (would-be-pruned, run on for the head)
+    weight: jax.Array  # f32 [B]: rows of the pruned population it stands for (1: kept)
+    feats: jax.Array  # f32 [B, C, D]: the head's features at each checkpoint
+    scores: jax.Array  # f32 [B, C]: the head's P(reward = 1) when the row was scored
+    scored: jax.Array  # bool [B, C]: the row was a group row scored at checkpoint c
+    tokens_generated: jax.Array  # int32 []: completion tokens decoded, pruned rows' too
 
 
 def completion_view(rollout: Rollout, pad_id: int):

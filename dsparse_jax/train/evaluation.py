@@ -3,17 +3,23 @@
 A completion is correct when its reward is >= 1 (rewards.is_correct). Over k samples per
 problem: mean@k is the mean correctness, pass@k the fraction of problems with a correct
 sample, maj@k the fraction whose most frequent extracted answer (rewards.answer_key; ties:
-the first seen) is a correct one."""
+the first seen) is a correct one; with a rollout quality head (rl.prune), qmaj@k weighs
+each sample's vote by the head's P(correct) (docs/pruning.md)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.data import batches, rewards
 from dsparse_jax.data.math_task import ChainTaskConfig, Problem
 from dsparse_jax.data.tokenizer import Tokenizer
+from dsparse_jax.model import quality_head
 from dsparse_jax.sampling.sampler import Sampler, SamplingConfig, completion_view
 
 
@@ -67,11 +73,13 @@ class Evaluator:
         lora_scale=1.0,
         spec: AttentionSpec | None = None,
         on_batch=None,
-    ) -> tuple[list[list[str]], np.ndarray]:
+        weigh=None,
+    ):
         """(completions [P][k], rewards [P, k]) of cfg.samples_per_prompt samples of
-        every eval problem; on_batch() is called after each batch (progress)."""
+        every eval problem; on_batch() is called after each batch (progress). weigh:
+        rollout -> numpy [rows], then also (..., weights [P, k])."""
         spec = self.spec if spec is None else spec
-        texts, reward_rows = [], []
+        texts, reward_rows, weight_rows = [], [], []
         for start in range(0, len(self.problems), self.batch_size):
             chunk = self.problems[start : start + self.batch_size]
             pad = self.batch_size - len(chunk)  # keep one static batch shape
@@ -83,9 +91,14 @@ class Evaluator:
             scored, t = score(self.tok, rollout, chunk + chunk[:1] * pad, self.rewarder, "eval")
             k = len(t) // (len(chunk) + pad)
             reward_rows.append(scored.rewards.reshape(len(chunk) + pad, k)[: len(chunk)])
+            if weigh is not None:
+                w = np.asarray(weigh(rollout)).reshape(len(chunk) + pad, k)
+                weight_rows.append(w[: len(chunk)])
             texts += [t[i * k : (i + 1) * k] for i in range(len(chunk))]
             if on_batch is not None:
                 on_batch()
+        if weigh is not None:
+            return texts, np.concatenate(reward_rows), np.concatenate(weight_rows)
         return texts, np.concatenate(reward_rows)
 
     def _accuracy(self, params, cfg: SamplingConfig, key, lora=None, lora_scale=1.0, spec=None):
@@ -111,13 +124,34 @@ class Evaluator:
         lora_scale=1.0,
         spec: AttentionSpec | None = None,
         on_batch=None,
+        head=None,
+        head_layer: int = -1,
+        head_position: int = 0,
     ) -> dict:
-        """greedy_accuracy, and with k > 0 mean@k, maj@k and pass@k of one policy."""
+        """greedy_accuracy, and with k > 0 mean@k, maj@k and pass@k of one policy; with a
+        quality head also qmaj@k (votes weighted by the head's score of each sample's
+        first head_position completion tokens, read at head_layer)."""
         kw = dict(lora=lora, lora_scale=lora_scale, spec=spec, on_batch=on_batch)
         _, greedy = self.samples(params, self.sampling_config(0.0), jax.random.key(0), **kw)
         out = {"greedy_accuracy": float(np.mean(rewards.is_correct(greedy)))}
         if k:
-            texts, r = self.samples(params, self.sampling_config(temperature, k), key, **kw)
+            scfg = self.sampling_config(temperature, k)
+            weights = None
+            if head is not None:
+                spec_ = self.spec if spec is None else spec
+                weigh = functools.partial(
+                    self.head_scores,
+                    params,
+                    head,
+                    layer=head_layer,
+                    position=head_position,
+                    spec=spec_,
+                    lora=lora,
+                    lora_scale=lora_scale,
+                )
+                texts, r, weights = self.samples(params, scfg, key, weigh=weigh, **kw)
+            else:
+                texts, r = self.samples(params, scfg, key, **kw)
             answers = [
                 [rewards.answer_key(p, t) for t in row] for p, row in zip(self.problems, texts)
             ]
@@ -129,7 +163,29 @@ class Evaluator:
                     f"pass_at_{k}": pass_at_k(correct),
                 }
             )
+            if weights is not None:
+                out[f"qmaj_at_{k}"] = maj_at_k(answers, correct, weights)
         return out
+
+    def head_scores(
+        self, params, head, rollout, *, layer, position, spec, lora=None, lora_scale=1.0
+    ):
+        """The quality head's P(correct) of each row [B]: its features are layer `layer`'s
+        output at the row's last fed token of its first `position` completion tokens (the
+        whole completion if shorter), as the sampler records them at a checkpoint."""
+        fn = _head_scores_fn(self.sampler.graphdef, layer, spec, lora_scale)
+        return np.asarray(
+            fn(
+                params,
+                lora,
+                head,
+                rollout.tokens,
+                rollout.prompt_lengths,
+                rollout.completion_lengths,
+                rollout.pages(),
+                position,
+            )
+        )
 
     def greedy(self, params, lora=None, lora_scale=1.0, spec: AttentionSpec | None = None) -> float:
         cfg = self.sampling_config(0.0)
@@ -158,15 +214,32 @@ def pass_at_k(correct_PxK) -> float:
     return float(np.mean(np.asarray(correct_PxK).any(axis=1)))
 
 
-def maj_at_k(answers_PxK: list[list[str | None]], correct_PxK) -> float:
-    """The fraction of problems whose most frequent answer (None: no answer, never voted;
-    ties: the first seen) belongs to a correct sample."""
+@functools.lru_cache(maxsize=None)
+def _head_scores_fn(graphdef, layer: int, spec, lora_scale: float):
+    @jax.jit
+    def fn(params, lora, head, tokens, prompt_len, ncomp, pages, position):
+        model = nnx.merge(graphdef, params)
+        _, hidden = model.forward(
+            tokens, spec, pages=pages, lora=lora, lora_scale=lora_scale, hidden_at=layer
+        )
+        last = prompt_len + jnp.minimum(position, ncomp) - 1
+        feats = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+        return quality_head.head_probs(head, feats)
+
+    return fn
+
+
+def maj_at_k(answers_PxK: list[list[str | None]], correct_PxK, weights_PxK=None) -> float:
+    """The fraction of problems whose most voted answer (None: no answer, never voted;
+    ties: the first seen) belongs to a correct sample; each vote counts 1, or its weight
+    (weights_PxK: quality-weighted voting)."""
     hits = []
-    for answers, correct in zip(answers_PxK, np.asarray(correct_PxK)):
-        counts: dict[str, int] = {}
-        for a in answers:
+    w_rows = np.ones(np.shape(correct_PxK)) if weights_PxK is None else np.asarray(weights_PxK)
+    for answers, correct, ws in zip(answers_PxK, np.asarray(correct_PxK), w_rows):
+        counts: dict[str, float] = {}
+        for a, w in zip(answers, ws):
             if a is not None:
-                counts[a] = counts.get(a, 0) + 1
+                counts[a] = counts.get(a, 0) + float(w)
         if not counts:
             hits.append(False)
             continue

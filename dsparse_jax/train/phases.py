@@ -3,6 +3,8 @@
   rollout       the actor samples M completions per prompt
   score         the task reward of every completion (host)
   select        the oversampling filter keeps n of M per prompt; GRPO advantages over them
+                (with rl.prune the sampler already kept n per prompt: docs/pruning.md)
+  update_head   (rl.prune) the quality head's online BCE update on the completed rows
   recompute     teacher-forced log-probs: dense theta, the actor's twin, mismatch metrics;
                 theta's batch (old log-probs, off-policy corrections) and phi's teacher
   update_theta  PPO/GRPO minibatch updates of theta (phi is not an input)
@@ -16,6 +18,7 @@ properties in setup.mode (rl/modes.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any, NamedTuple
@@ -30,13 +33,13 @@ from dsparse_jax.data.math_task import Problem
 from dsparse_jax.data.sources import problems
 from dsparse_jax.parallel import sharding
 from dsparse_jax.reliability import faults
-from dsparse_jax.rl import corrections, filtering, modes
+from dsparse_jax.rl import corrections, filtering, modes, pruning_metrics
 from dsparse_jax.rl.advantages import grpo_advantages
 from dsparse_jax.rl.losses import combine_metrics
 from dsparse_jax.sampling.history import prompt_key
-from dsparse_jax.sampling.sampler import Rollout, SamplingConfig, buffer_length
+from dsparse_jax.sampling.sampler import PruneRecord, Rollout, SamplingConfig, buffer_length
 from dsparse_jax.sampling.speculative import acceptance_summary
-from dsparse_jax.train import distill
+from dsparse_jax.train import distill, quality
 from dsparse_jax.train.context import RunContext
 from dsparse_jax.train.evaluation import score as grade
 from dsparse_jax.train.grpo import grpo_update, recompute_logprobs
@@ -67,6 +70,7 @@ class Generated(NamedTuple):
 
     problems: list[Problem]
     rollout: Rollout
+    prune: PruneRecord | None = None  # rl.prune: rows are [n kept | label rows] per prompt
 
 
 class Scored(NamedTuple):
@@ -256,6 +260,21 @@ def rollout(ctx: RunContext, setup: RLSetup, st: TrainState, key, step: int):
     if setup.speculative is not None:
         r, metrics = _speculative_rollout(ctx, setup, st, key, prompts, lengths, scfg)
         return Generated(batch_problems, r), metrics
+    if setup.prune is not None:  # M' rows per prompt, pruned to n (+ label rows) on the way
+        scfg = dataclasses.replace(scfg, samples_per_prompt=setup.prune_generated)
+        r, record = ctx.sampler(
+            st.params,
+            prompts,
+            lengths,
+            key,
+            scfg,
+            setup.rollout_spec,
+            st.lora,
+            setup.lora_scale,
+            prune=setup.prune,
+            head=st.head,
+        )
+        return Generated(batch_problems, r, record), {}
     r = ctx.sampler(
         st.params, prompts, lengths, key, scfg, setup.rollout_spec, st.lora, setup.lora_scale
     )
@@ -332,6 +351,11 @@ def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key
     c, plan, n, big_m = ctx.config.rl, setup.plan, setup.n, setup.m
     r = gen.rollout
     rec = None
+    generated = int(sharding.to_host(r.completion_lengths).sum())
+    if gen.prune is not None:  # the kept n of each prompt; label rows only train the head
+        generated = int(sharding.to_host(gen.prune.tokens_generated))
+        kept_rows = pruned_kept_rows(len(rewards_all), setup.prune)
+        r, rewards_all = gather_rows(r, kept_rows, plan), rewards_all[kept_rows]
     if big_m > n and c.selection == "acceptance":  # needs the dense forward of all M
         rec = _recompute_rollout(ctx, setup, st, r)
     rows, metrics = select_rows(
@@ -358,11 +382,74 @@ def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key
     adv_B = sharding.as_global(plan, adv_B)
     if faults.action("rl_nan", step + 1) == "nan":  # test hook: a non-finite loss
         adv_B = adv_B * jnp.nan
+    trained = int(sharding.to_host(kept.completion_lengths).sum())
+    mixed = pruning_metrics.groups_mixed(np.asarray(rewards).reshape(-1, n))
+    useful = mixed * len(rewards)  # rows in groups with a non-zero advantage
     metrics.update(
         reward_kept=float(rewards.mean()),
         response_length_kept_mean=float(sharding.to_host(kept.completion_lengths).mean()),
+        groups_mixed=mixed,
+        tokens_generated=generated,
+        tokens_trained=trained,
+        tokens_per_useful_row=generated / useful if useful else float("nan"),
     )
     return Selected(kept, rewards, adv_B, rec), metrics
+
+
+def pruned_kept_rows(rows: int, prune) -> np.ndarray:
+    """The GRPO rows of a pruned rollout: the first n of each prompt's rows_per_prompt."""
+    per = prune.rows_per_prompt
+    return (np.arange(rows // per)[:, None] * per + np.arange(prune.n)[None]).reshape(-1)
+
+
+def update_head(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all):
+    """rl.prune: the quality head's metrics on this step's completed rows (its scores were
+    made before this update: AUC and calibration, weighted by the rows each stands for),
+    the reward variance of groups before and after pruning, tokens against an unpruned
+    M'-row rollout; then `head_steps` BCE steps on the same rows."""
+    rec, prune = gen.prune, setup.prune
+    rec_h = jax.device_get(rec)
+    rewards = np.asarray(rewards_all)
+    f, y, w, s = quality.training_pairs(rec_h, rewards)
+    cal = pruning_metrics.calibration(s, y, w)
+    head, opt_state, before, after = quality.head_update(
+        st.head,
+        st.head_opt_state,
+        jnp.asarray(f),
+        jnp.asarray(y),
+        jnp.asarray(w),
+        tx=setup.head_tx,
+        steps=setup.head_steps,
+    )
+    per = prune.rows_per_prompt
+    by_prompt = rewards.reshape(-1, per)
+    lengths = sharding.to_host(gen.rollout.completion_lengths).astype(np.float64)
+    label = np.asarray(rec_h.is_label)
+    pruned_rows = len(by_prompt) * (setup.prune_generated - per)  # never completed
+    fill = lengths[label].mean() if label.any() else lengths.mean()
+    unpruned = lengths.sum() + pruned_rows * fill  # label rows: a random draw of the pruned
+    generated = float(rec_h.tokens_generated)
+    metrics = {
+        "prune_head_auc": pruning_metrics.weighted_auc(s, y, w),
+        "prune_head_ece": cal["ece"],
+        "prune_head_mean_pred": cal["mean_pred"],
+        "prune_head_mean_label": cal["mean_label"],
+        "prune_head_loss": float(before),
+        "prune_head_loss_after": float(after),
+        "prune_groups_mixed_kept": pruning_metrics.groups_mixed(by_prompt[:, : prune.n]),
+        # kept + label rows: a lower bound on the M' rows' (before pruning)
+        "prune_groups_mixed_completed": pruning_metrics.groups_mixed(by_prompt),
+        "prune_reward_label": float(rewards[label].mean()) if label.any() else float("nan"),
+        "prune_tokens_generated": generated,
+        "prune_tokens_unpruned_est": float(unpruned),
+        "prune_token_ratio": generated / float(unpruned),
+    }
+    for c in range(len(prune.positions)):  # per checkpoint, its scored rows
+        m = np.asarray(rec_h.scored)[:, c]
+        metrics[f"prune_head_auc_cp{c}"] = pruning_metrics.weighted_auc(
+            np.asarray(rec_h.scores)[m, c], rewards[m] >= 1.0, np.asarray(rec_h.weight)[m]
+        )
+    return (head, opt_state), metrics
 
 
 def recompute(ctx, setup: RLSetup, st: TrainState, sel: Selected, ref_params):

@@ -12,7 +12,8 @@ policy, exact from full logits) are logged every step; see distill.py.
 Resumable: the checkpoint holds params, optimizer state, the RNG key (every step's
 rollout, filter and shuffle keys derive from it), the step, the data position and the
 count of consecutive skipped steps, and where the actor has phi the LoRA tree and its
-optimizer state; a restart continues exactly from the newest usable checkpoint in
+optimizer state, and with rl.prune the quality head and its optimizer state; a
+restart continues exactly from the newest usable checkpoint in
 <workdir>/checkpoints (corrupt ones are skipped) and drops metrics of steps it is about to
 redo. A non-finite loss or gradient skips the update; rl.max_consecutive_skips in a row
 halt the run. See docs/reliability.md.
@@ -67,18 +68,21 @@ def rl_step(
         if samples is not None:
             samples.extend(phases.sample_records(gen, scored, ctx.config.log.num_samples))
         sel = log.run("select", phases.select, ctx, setup, st, gen, scored.rewards, k_select, step)
+        head = (st.head, st.head_opt_state)
+        if gen.prune is not None:  # the quality head learns from this step's completed rows
+            head = log.run("update_head", phases.update_head, ctx, setup, st, gen, scored.rewards)
         rec = log.run("recompute", phases.recompute, ctx, setup, st, sel, ref_params)
         params, opt_state = log.run(
             "update_theta", phases.update_theta, ctx, setup, st, rec, k_theta
         )
         faults.maybe_kill("rl_update", step + 1)
-        new = TrainState(params, opt_state, st.lora, st.lora_opt_state)
+        new = TrainState(params, opt_state, st.lora, st.lora_opt_state, *head)
         if setup.mode.updates_phi:  # theta frozen: phi tracks the dense policy
             new.lora, new.lora_opt_state = log.run(
                 "update_phi", phases.update_phi, ctx, setup, new, sel, rec, k_phi
             )
         m = log.summary()
-        tokens = sharding.to_host(gen.rollout.completion_lengths).sum()
+        tokens = m.get("tokens_generated", sharding.to_host(gen.rollout.completion_lengths).sum())
         m["rollout_tokens_per_s"] = float(tokens / m["time_rollout"])
         return new, m
 
@@ -111,7 +115,9 @@ def evaluate(
 
 
 # ---------------------------------------------------------------------------------- the loop
-OPTIONAL_KEYS = ("consecutive_skips", "history")  # absent from checkpoints written before them
+# Absent from checkpoints written before them (a run resumed with rl.prune newly enabled
+# starts its quality head fresh; one with rl.draft=history, an empty bank).
+OPTIONAL_KEYS = ("consecutive_skips", "quality_head", "quality_head_opt_state", "history")
 
 
 def _saveable(
@@ -127,6 +133,9 @@ def _saveable(
     if st.lora is not None:  # flat leaf lists, like opt_state (int-keyed dicts stay out)
         tree["lora"] = jax.tree.leaves(st.lora)
         tree["lora_opt_state"] = jax.tree.leaves(st.lora_opt_state)
+    if st.head is not None:  # the rollout quality head (rl.prune) and its optimizer
+        tree["quality_head"] = jax.tree.leaves(st.head)
+        tree["quality_head_opt_state"] = jax.tree.leaves(st.head_opt_state)
     if bank is not None:  # the history drafter's bank (rl.draft=history)
         tree["history"] = bank.state()
     return tree
@@ -139,6 +148,12 @@ def _from_tree(tree: dict, st: TrainState):
         new.lora = jax.tree.unflatten(jax.tree.structure(st.lora), extra["lora"])
         new.lora_opt_state = jax.tree.unflatten(
             jax.tree.structure(st.lora_opt_state), extra["lora_opt_state"]
+        )
+    new.head, new.head_opt_state = st.head, st.head_opt_state
+    if st.head is not None and "quality_head" in extra:
+        new.head = jax.tree.unflatten(jax.tree.structure(st.head), extra["quality_head"])
+        new.head_opt_state = jax.tree.unflatten(
+            jax.tree.structure(st.head_opt_state), extra["quality_head_opt_state"]
         )
     return new, rng, step, extra
 

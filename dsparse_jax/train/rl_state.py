@@ -10,14 +10,17 @@ import math
 import jax
 
 from dsparse_jax.attention.spec import AttentionSpec
+from dsparse_jax.config.validate import prune_positions, prune_sizes
 from dsparse_jax.data import batches
+from dsparse_jax.model import quality_head
 from dsparse_jax.model.lora import init_lora
 from dsparse_jax.parallel import sharding
 from dsparse_jax.rl import modes
 from dsparse_jax.sampling.history import HistoryBank
+from dsparse_jax.sampling.pruning import PruneConfig
 from dsparse_jax.sampling.sampler import buffer_length
 from dsparse_jax.sampling.speculative import SpeculativeConfig
-from dsparse_jax.train import distill, steps
+from dsparse_jax.train import distill, quality, steps
 from dsparse_jax.train.context import RunContext
 from dsparse_jax.train.grpo import GRPOSettings
 
@@ -57,6 +60,8 @@ class TrainState:
     opt_state: object
     lora: dict | None = None
     lora_opt_state: object = None
+    head: dict | None = None  # the rollout quality head (rl.prune; model/quality_head.py)
+    head_opt_state: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +85,33 @@ class RLSetup:
     # Teacher-forced no-gradient forwards run in gcd(rows, this) chunks of rows: the
     # update's microbatch size, the largest group the config already runs at once.
     recompute_chunks: int = 1
+    prune: PruneConfig | None = None  # online rollout pruning (rl.prune.enabled)
+    prune_generated: int = 0  # M' rows generated per prompt when pruning
+    head_cfg: quality_head.HeadConfig | None = None
+    head_tx: object = None
+    head_steps: int = 0
+
+
+def prune_setup(c, d_model: int) -> dict:
+    """RLSetup's pruning fields from the rl config section (empty when off)."""
+    p = c.prune
+    if not p.enabled:
+        return {}
+    n, pos = c.samples_per_prompt, prune_positions(p.positions)
+    m = p.generated or 2 * n
+    return dict(
+        prune=PruneConfig(
+            positions=pos,
+            sizes=prune_sizes(m, n, len(pos)),
+            rho=p.rho,
+            label_rows=p.label_rows,
+            layer=p.layer,
+        ),
+        prune_generated=m,
+        head_cfg=quality_head.HeadConfig(d_model, hidden=p.head_hidden, layer=p.layer),
+        head_tx=quality.make_tx(p.head_learning_rate),
+        head_steps=p.head_steps,
+    )
 
 
 def make_setup(ctx: RunContext) -> RLSetup:
@@ -141,6 +173,7 @@ def make_setup(ctx: RunContext) -> RLSetup:
         recompute_chunks=c.minibatches * c.microbatches,
         speculative=spec_cfg,
         history=bank,
+        **prune_setup(c, ctx.model_cfg.d_model),
     )
 
 
@@ -158,4 +191,9 @@ def init_state(ctx: RunContext, setup: RLSetup, params) -> TrainState:
         st.lora = put(init_lora(ctx.model_cfg, ctx.lora_cfg, jax.random.key(ctx.config.seed + 3)))
     if setup.mode.updates_phi:
         st.lora_opt_state = put(setup.lora_tx.init(st.lora))
+    if setup.prune is not None:
+        head, head_opt = quality.init(
+            setup.head_cfg, setup.head_tx, jax.random.key(ctx.config.seed + 4)
+        )
+        st.head, st.head_opt_state = put(head), put(head_opt)
     return st

@@ -23,6 +23,7 @@ class Trained:
     setup: RLSetup  # the actor's attention and LoRA scale (setup.rollout_spec, lora_scale)
     source: str  # "rl step N" | "sft step N"
     step: int
+    head: dict | None = None  # the rollout quality head (rl.prune runs' RL checkpoints)
 
 
 def workdir_config(workdir: str):
@@ -55,7 +56,7 @@ def load(ctx: RunContext, workdir: str, step: int | None = None) -> Trained:
                 raise UserError(f"{rl_dir}/{use}: {e}") from None
             finally:
                 ckpt.close()
-            return Trained(st.params, st.lora, setup, f"rl step {use}", use)
+            return Trained(st.params, st.lora, setup, f"rl step {use}", use, st.head)
         ckpt.close()
     found = sft.restore(ctx, workdir, step)
     if found is None:
