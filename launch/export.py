@@ -10,6 +10,9 @@ SFT warm start):
   DIR/tokenizer.model, tokenizer_config.json, special_tokens_map.json
   DIR/phi_adapter/adapter_config.json,     phi, the sparse actor's LoRA, as a PEFT
   DIR/phi_adapter/adapter_model.safetensors adapter for the base in DIR (modes with phi)
+  DIR/draft_head/draft_head.safetensors,   the learned draft head (rl.draft=draft_head
+  DIR/draft_head/draft_head.json           runs), this project's layout:
+                                           dsparse_jax.model.draft_head.load_exported
   DIR/export.json                          what was exported, from where
 
 Load with transformers.AutoModelForCausalLM.from_pretrained(DIR) and
@@ -26,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from dsparse_jax.config import cli  # noqa: E402
 
 ADAPTER_DIR = "phi_adapter"
+DRAFT_HEAD_DIR = "draft_head"
 
 
 def main(argv: list[str]) -> int:
@@ -69,6 +73,13 @@ def main(argv: list[str]) -> int:
             dtype=dtype,
         )
         files += [os.path.join(ADAPTER_DIR, f) for f in adapter]
+    if t.draft_head is not None:
+        from dsparse_jax.model import draft_head
+
+        head_files = draft_head.export(
+            os.path.join(args.out, DRAFT_HEAD_DIR), t.draft_head, t.setup.draft_head.layers, dtype
+        )
+        files += [os.path.join(DRAFT_HEAD_DIR, f) for f in head_files]
     caveats = hf_checkpoint.transformers_caveats(ctx.model_cfg)
     for c in caveats:
         print(f"[export] WARNING: {c}", file=sys.stderr)
@@ -79,6 +90,7 @@ def main(argv: list[str]) -> int:
         "dtype": dtype,
         "files": files,
         "phi_adapter": ADAPTER_DIR if t.lora is not None else None,
+        "draft_head": DRAFT_HEAD_DIR if t.draft_head is not None else None,
         "sparse": dict(config.sparse) if t.setup.mode.actor_sparse else None,
         "transformers_caveats": caveats,
     }

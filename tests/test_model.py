@@ -390,7 +390,9 @@ def test_embedding_scaled_and_tied():
     tokens = jnp.array([[0, 5, 39, 5]])
     emb = np.asarray(model.embed[...])
     np.testing.assert_allclose(
-        np.asarray(model._embed(tokens))[0], emb[[0, 5, 39, 5]] * math.sqrt(BASE.d_model), rtol=1e-6
+        np.asarray(model.embed_tokens(tokens))[0],
+        emb[[0, 5, 39, 5]] * math.sqrt(BASE.d_model),
+        rtol=1e-6,
     )
     # Tied: the embedding is the only vocab-sized parameter (no separate output head).
     shapes = [x.shape for x in jax.tree.leaves(nnx.state(model, nnx.Param))]

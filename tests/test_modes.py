@@ -143,12 +143,14 @@ def test_mode_runs_two_steps(ctx, name, overrides, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("draft", ["sparse_self", "history"])
+@pytest.mark.parametrize("draft", ["sparse_self", "history", "draft_head"])
 def test_speculative_mode_runs_two_steps(ctx, draft, monkeypatch, tmp_path):
     """rollout_mode=speculative: the rollout is the dense policy's (its log-probs equal the
     teacher-forced dense ones, so theta's first ratio is 1), acceptance metrics are
     reported, phi trains with sparse_self, the history bank fills across steps and
-    round-trips through the checkpoint."""
+    round-trips through the checkpoint, the draft head trains after theta (its loss
+    falls) and its warm start runs on SFT solutions, and a resume restores it and its
+    optimizer bitwise."""
     from dsparse_jax.reliability import checkpoints
 
     monkeypatch.setattr(phases, "grade", fake_score)
@@ -177,6 +179,9 @@ def test_speculative_mode_runs_two_steps(ctx, draft, monkeypatch, tmp_path):
         assert math.isfinite(m["phi_loss"]) and math.isfinite(m["kl_exact"])
         assert any((a != b).any() for a, b in zip(lora0, _leaves(st.lora)))  # phi trained
         return
+    if draft == "draft_head":
+        _check_draft_head(run, setup, st, m, rng, tmp_path)
+        return
     assert st.lora is None and "phi_loss" not in m
     bank = setup.history
     assert bank.owned.sum() == 2 and (np.asarray(bank.lengths) > 0).sum() == 2 * 2 * 3
@@ -190,6 +195,33 @@ def test_speculative_mode_runs_two_steps(ctx, draft, monkeypatch, tmp_path):
     assert found[2] == 2
     for name, value in bank.state().items():
         np.testing.assert_array_equal(value, fresh.state()[name], err_msg=name)
+
+
+def _check_draft_head(run, setup, st, m, rng, tmp_path):
+    from dsparse_jax.reliability import checkpoints
+    from dsparse_jax.report.metrics import MetricsWriter
+
+    assert st.lora is None and "phi_loss" not in m
+    assert m["draft_head_loss_after"] < m["draft_head_loss"] and m["time_update_draft_head"] > 0
+    fresh = rl_loop.init_state(run, setup, run.init_params)
+    assert any((a != b).any() for a, b in zip(_leaves(fresh.draft_head), _leaves(st.draft_head)))
+    ckpt = checkpoints.Checkpointer(str(tmp_path), "ck")
+    ckpt.save(2, rl_loop._saveable(st, rng, 2, rl_loop.RL_DATA_OFFSET + 4), force=True)
+    ckpt.wait()
+    got = rl_loop._resume(ckpt, fresh, rng, "speculative", 2)[0]
+    ckpt.close()
+    for name in ("draft_head", "draft_head_opt_state"):
+        assert jax.tree.structure(getattr(got, name)) == jax.tree.structure(getattr(st, name))
+        for a, b in zip(_leaves(getattr(got, name)), _leaves(getattr(st, name))):
+            np.testing.assert_array_equal(a, b, err_msg=name)
+    warm = dataclasses.replace(
+        setup, draft_head=dataclasses.replace(setup.draft_head, warmup_steps=3)
+    )
+    os.makedirs(tmp_path / "m", exist_ok=True)
+    writer = MetricsWriter(str(tmp_path / "m"), tensorboard=False)
+    st = rl_loop.warm_start_draft_head(run, warm, fresh, writer)
+    writer.close()
+    assert any((a != b).any() for a, b in zip(_leaves(got.draft_head), _leaves(st.draft_head)))
 
 
 @pytest.mark.slow
@@ -227,13 +259,20 @@ def test_distillsparse_checkpoint_round_trips_phi(ctx, tmp_path):
         ("lora.rank", 0),
         ("rl.draft", "oracle"),
         ("rl.draft_tokens", 0),
+        ("rl.draft_head.layers", "1,7"),
+        ("rl.draft_head.steps", 0),
     ],
 )
 def test_mode_config_validation(field, value):
     c = base_config()
-    section, name = field.split(".")
-    c[section][name] = value
+    *sections, name = field.split(".")
+    section = c
+    for part in sections:
+        section = section[part]
+    section[name] = value
     if field.startswith("rl.draft"):
         c.rl.rollout_mode = "speculative"
+    if field.startswith("rl.draft_head"):
+        c.rl.draft = "draft_head"
     with pytest.raises(ConfigError, match=f"config.{field}"):
         validate(c)

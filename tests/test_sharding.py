@@ -18,6 +18,7 @@ from dsparse_jax.config.validate import validate
 from dsparse_jax.parallel import sharding
 from dsparse_jax.reliability import checkpoints
 from dsparse_jax.sampling.sampler import Sampler
+from dsparse_jax.sampling.speculative import SpeculativeSampler
 from dsparse_jax.train import context, phases, rl_loop
 from dsparse_jax.train.evaluation import Evaluator
 
@@ -53,6 +54,7 @@ def base_ctx():
             "graphdef": graphdef,
             "init_params": params,
             "sampler": sampler,
+            "spec_sampler": SpeculativeSampler(graphdef),
             "evaluator": evaluator,
         }
     )
@@ -147,6 +149,42 @@ def _check_state_shardings(st, mesh):
     # Adam moments follow their parameter.
     mu = st.opt_state[1][0].mu
     assert mu["layers"][1]["mlp"]["gate"][...].sharding.spec == _p(fsdp, tp)
+
+
+@pytest.mark.slow
+def test_speculative_draft_head_step_on_mesh(base_ctx, monkeypatch):
+    """rollout_mode=speculative with the learned draft head on a (2, 2, 2) mesh: the same
+    metrics, theta and head (and its optimizer) as on one device, and the head's weights
+    carry the policy's partition rules."""
+    monkeypatch.setattr(phases, "grade", fake_score)
+
+    def run(shape):
+        c = mesh_config(shape)
+        c.rl.rollout_mode, c.rl.draft, c.rl.samples_generated = "speculative", "draft_head", 0
+        c.rl.draft_tokens = 3
+        validate(c)
+        return _one_step(context.RunContext(**{**base_ctx.__dict__, "config": c}))
+
+    _, ref_st, ref_m = run((1, 1, 1))
+    setup, st, m = run((2, 2, 2))
+    for k, v in ref_m.items():
+        if k.startswith(TIMING) or (isinstance(v, float) and math.isnan(v)):
+            continue
+        np.testing.assert_allclose(m[k], v, rtol=RTOL, atol=ATOL, err_msg=k)
+    assert ref_m["draft_head_loss_after"] < ref_m["draft_head_loss"]
+    for name in ("params", "draft_head", "draft_head_opt_state"):
+        for a, b in zip(_host(getattr(st, name)), _host(getattr(ref_st, name))):
+            np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=name)
+    mesh = setup.plan.mesh
+    attn = st.draft_head["block"]["attn"]
+    assert attn["q"][...].sharding.spec == _p("fsdp", "tensor")
+    assert st.draft_head["block"]["mlp"]["down"][...].sharding.spec == _p("tensor", "fsdp")
+    for tree in (st.draft_head, st.draft_head_opt_state):
+        specs = sharding.state_specs(tree, mesh)
+        for x, spec in zip(
+            jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+        ):
+            assert x.sharding.spec == spec, (x.shape, x.sharding.spec, spec)
 
 
 def test_rules_and_divisibility(base_ctx):

@@ -162,11 +162,22 @@ def defaults() -> ml_collections.ConfigDict:
     c.rl.rollout_mode = "distillsparse"
     c.rl.samples_generated = 0  # M >= samples_per_prompt rollouts per prompt; 0: M = n
     # rollout_mode=speculative (sampling/speculative.py): the drafter and its settings.
-    c.rl.draft = "sparse_self"  # sparse_self (sparse + phi actor) | history (earlier rollouts)
+    # sparse_self (sparse + phi actor) | history (earlier rollouts) | draft_head (learned)
+    c.rl.draft = "sparse_self"
     c.rl.draft_tokens = 4  # k: tokens drafted per dense verify
     c.rl.history_ngram = 4  # history: the longest suffix matched
     c.rl.history_prompts = 1024  # history: prompts the bank holds (least recently used evicted)
     c.rl.history_per_prompt = 8  # history: newest rollouts kept per prompt
+    # draft=draft_head: the learned draft head (model/draft_head.py), trained online after
+    # each theta update on the step's rollouts (train/draft_head.py), with its own Adam and
+    # its own gradient-norm clip group.
+    c.rl.draft_head = ml_collections.ConfigDict()
+    c.rl.draft_head.layers = ""  # policy layers it reads, comma list; "": 1, L // 2, L - 1
+    c.rl.draft_head.learning_rate = 1e-3
+    c.rl.draft_head.max_grad_norm = 1.0  # its own clip group
+    c.rl.draft_head.loss_weight = 1.0
+    c.rl.draft_head.steps = 4  # Adam steps per minibatch of each RL step's kept rows
+    c.rl.draft_head.warmup_steps = 100  # before RL step 1: steps on SFT solutions; 0: none
     c.rl.selection = "reward"  # top-n of the M by reward | acceptance (rate vs dense)
     c.rl.acceptance_C = 1.0  # Bernoulli test probability min(1, p_dense / (C p_sparse))
     c.rl.is_correction = "none"  # none | tis | mis (vs the rollout log-probs), any mode

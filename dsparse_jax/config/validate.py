@@ -349,6 +349,8 @@ def _validate_modes(c) -> None:
         for f in ("rl.draft_tokens", "rl.history_ngram", "rl.history_prompts"):
             _positive_int(c, f)
         _positive_int(c, "rl.history_per_prompt")
+        if r.draft == "draft_head":
+            _validate_draft_head(c)
         _check(
             r.grow_buffer_from == 0,
             "rl.grow_buffer_from",
@@ -408,6 +410,30 @@ def _validate_modes(c) -> None:
     )
     _positive_int(c, "metrics.position_bin")
     _validate_prune(c)
+
+
+def _validate_draft_head(c) -> None:
+    """rl.draft_head: layers inside the model, positive steps, a learning rate."""
+    from dsparse_jax.model.draft_head import parse_layers
+
+    h = c.rl.draft_head
+    layers = 10**6  # a checkpoint's depth is checked when the head is built
+    if not c.model.get("checkpoint_dir", ""):
+        try:
+            from dsparse_jax.model.config import preset
+
+            layers = preset(c.model.preset, **schema.model_overrides(c.model)).num_layers
+        except (ValueError, TypeError):
+            pass
+    try:
+        parse_layers(h.layers, layers)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config.rl.draft_head.layers: {e}") from None
+    _lr(c, "rl.draft_head.learning_rate")
+    _check(h.max_grad_norm > 0, "rl.draft_head.max_grad_norm", "must be > 0")
+    _check(h.loss_weight > 0, "rl.draft_head.loss_weight", "must be > 0")
+    _positive_int(c, "rl.draft_head.steps")
+    _nonneg(c, "rl.draft_head.warmup_steps", integer=True)
 
 
 def prune_positions(text: str) -> tuple[int, ...]:

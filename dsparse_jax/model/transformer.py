@@ -238,7 +238,7 @@ class Transformer(nnx.Module):
         return True
 
     # -- pieces
-    def _embed(self, tokens):
+    def embed_tokens(self, tokens):
         dt = _dtype(self.cfg.dtype)
         x = self.embed[...].astype(dt)[tokens]
         return x * jnp.asarray(self.cfg.d_model**0.5, dt)
@@ -252,8 +252,10 @@ class Transformer(nnx.Module):
 
     def _run(self, x, mode, spec, caches, lora, lora_scale, pages=None, hidden_at=None, **kw):
         """(x after the last layer, caches, page ids); with hidden_at = i also x after
-        layer i (a fourth output)."""
-        new_caches, page_ids, hidden = [], [], None
+        layer i (a fourth output); with a tuple of layers, a tuple of them."""
+        wanted = (hidden_at,) if isinstance(hidden_at, int) else hidden_at or ()
+        wanted = [i % len(self.layers) for i in wanted]
+        new_caches, page_ids, hidden = [], [], {}
         for i, block in enumerate(self.layers):
             layer_lora = None if lora is None else lora.get(i)
             layer_pages = None if pages is None else pages.get(i)
@@ -270,10 +272,12 @@ class Transformer(nnx.Module):
             )
             new_caches.append(cache)
             page_ids.append(ids)
-            if hidden_at is not None and i == hidden_at % len(self.layers):
-                hidden = x
+            if i in wanted:
+                hidden[i] = x
+        if isinstance(hidden_at, int):
+            return x, new_caches, page_ids, hidden[wanted[0]]
         if hidden_at is not None:
-            return x, new_caches, page_ids, hidden
+            return x, new_caches, page_ids, tuple(hidden[i] for i in wanted)
         return x, new_caches, page_ids
 
     # -- the three modes
@@ -286,16 +290,17 @@ class Transformer(nnx.Module):
         lora=None,
         lora_scale: float = 1.0,
         return_hidden: bool = False,
-        hidden_at: int | None = None,
+        hidden_at: int | tuple[int, ...] | None = None,
     ):
         """Teacher-forced logits [B, T, V] (f32).
 
         pages: optional {layer: selection.PageRecord} decode record (Rollout.pages()) that makes
         the spec's sparse layers attend exactly where the sampler did. return_hidden: also
-        the last layer's output [B, T, D]; hidden_at = i: also layer i's output instead.
+        the last layer's output [B, T, D]; hidden_at = i: also layer i's output instead (a
+        tuple of layers: a tuple of outputs).
         """
         out = self._run(
-            self._embed(tokens_BxT),
+            self.embed_tokens(tokens_BxT),
             "train",
             spec,
             None,
@@ -318,13 +323,23 @@ class Transformer(nnx.Module):
         *,
         lora=None,
         lora_scale: float = 1.0,
+        hidden_at: tuple[int, ...] | None = None,
     ):
-        """Dense prompt pass. Returns (logits at each row's last prompt token [B, V], caches)."""
-        x, caches, _ = self._run(
-            self._embed(tokens_BxT), "prefill", spec, caches, lora, lora_scale, lengths_B=lengths_B
+        """Dense prompt pass. Returns (logits at each row's last prompt token [B, V], caches);
+        with hidden_at (a tuple of layers) also their outputs at every position [B, T, D]
+        (the draft head's features, model/draft_head.py)."""
+        out = self._run(
+            self.embed_tokens(tokens_BxT),
+            "prefill",
+            spec,
+            caches,
+            lora,
+            lora_scale,
+            lengths_B=lengths_B,
+            hidden_at=hidden_at,
         )
-        last = jnp.take_along_axis(x, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-        return self._logits(last), caches
+        last = jnp.take_along_axis(out[0], (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+        return (self._logits(last), out[1]) + ((out[3],) if hidden_at is not None else ())
 
     def decode(
         self,
@@ -341,7 +356,7 @@ class Transformer(nnx.Module):
         hidden_at = i (negative: from the end) also the residual stream after layer i [B, D]
         (the quality head's features, model/quality_head.py)."""
         out = self._run(
-            self._embed(tokens_B[:, None]),
+            self.embed_tokens(tokens_B[:, None]),
             "decode",
             spec,
             caches,
@@ -364,15 +379,24 @@ class Transformer(nnx.Module):
         *,
         lora=None,
         lora_scale: float = 1.0,
+        hidden_at: tuple[int, ...] | None = None,
     ):
         """T tokens per row at positions start_B, start_B + 1, ... (a speculative verify):
         writes their keys and values into the cache (page summaries untouched: see
         kv_cache.refresh_summaries) and attends densely over it. Returns (logits [B, T, V],
-        caches); T = 1 is a dense decode step."""
-        x, caches, _ = self._run(
-            self._embed(tokens_BxT), "extend", spec, caches, lora, lora_scale, pos_B=start_B
+        caches[, the outputs [B, T, D] of the layers in hidden_at]); T = 1 is a dense
+        decode step."""
+        out = self._run(
+            self.embed_tokens(tokens_BxT),
+            "extend",
+            spec,
+            caches,
+            lora,
+            lora_scale,
+            pos_B=start_B,
+            hidden_at=hidden_at,
         )
-        return self._logits(x), caches
+        return (self._logits(out[0]), out[1]) + ((out[3],) if hidden_at is not None else ())
 
     def init_cache(self, batch: int, max_len: int, spec: AttentionSpec = AttentionSpec()):
         cfg = self.cfg

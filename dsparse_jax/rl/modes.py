@@ -17,7 +17,8 @@ is one entry here plus the code of any phase that is new.
 speculative: the rollout is an exact sample of the dense policy (sampling/speculative.py);
 the actor_* properties then describe the drafter (rl.draft, `DRAFTS`): sparse_self drafts
 with the sparse + phi actor, whose phi keeps training towards the dense policy (L_PPO +
-lambda KL: a higher acceptance rate); history drafts without a model.
+lambda KL: a higher acceptance rate); history drafts without a model; draft_head with a
+learned head on the policy's features, trained online (phase update_draft_head).
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ MODES = {
 DRAFTS = {
     "sparse_self": dict(actor_sparse=True, actor_lora=True, updates_phi=True),
     "history": dict(actor_sparse=False, actor_lora=False, updates_phi=False),
+    "draft_head": dict(actor_sparse=False, actor_lora=False, updates_phi=False),
 }
 
 

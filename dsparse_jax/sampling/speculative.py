@@ -48,7 +48,7 @@ from flax import nnx
 
 from dsparse_jax.attention import cache as kv_cache
 from dsparse_jax.attention.spec import AttentionSpec
-from dsparse_jax.model import transformer
+from dsparse_jax.model import draft_head, transformer
 from dsparse_jax.parallel import sharding
 from dsparse_jax.sampling import rejection
 from dsparse_jax.sampling.sampler import (
@@ -108,6 +108,7 @@ class DraftIn(NamedTuple):
     known: jax.Array  # int32 [B], tokens known per row (= cur + 1)
     caches: list
     key: jax.Array
+    head: tuple | None = None  # draft_head: (its KV cache, g [B, D] at position cur)
 
 
 class DraftOut(NamedTuple):
@@ -116,12 +117,22 @@ class DraftOut(NamedTuple):
     num: jax.Array  # int32 [B]: how many leading drafts are real (<= k)
     caches: list
     pages: dict  # {sparse layer: int32 [B, k', K, P]}: pages read at positions cur + j
+    head: tuple | None = None  # draft_head: its cache after the draft steps
 
 
 def draft_probs(logits_BxV, cfg: SamplingConfig):
     """q: the drafter's distribution, truncated like the verifier's p (a draft token is
     drawn from it)."""
     return jax.nn.softmax(scaled_logits(logits_BxV, cfg), axis=-1)
+
+
+def _draw(logits_BxV, key, cfg: SamplingConfig):
+    """A draft token from the drafter's logits and its truncated distribution q (greedy:
+    the argmax, no q)."""
+    if cfg.temperature == 0.0:
+        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32), None
+    d_B = jax.random.categorical(key, scaled_logits(logits_BxV, cfg), axis=-1)
+    return d_B.astype(jnp.int32), draft_probs(logits_BxV, cfg)
 
 
 def _draft_sparse_self(ctx, x: DraftIn) -> DraftOut:
@@ -132,18 +143,13 @@ def _draft_sparse_self(ctx, x: DraftIn) -> DraftOut:
     steps = k + 1 if sc.record_pages else k
     rows = jnp.arange(x.tokens.shape[0])
     sparse = transformer.sparse_layers(model.cfg, spec)
-    greedy = cfg.temperature == 0.0
 
     def step(carry, j):
         tok_B, caches, key = carry
         pos_B = jnp.minimum(x.cur + j, s - 1)
         logits, caches, ids = model.decode(tok_B, pos_B, caches, spec, **ctx["draft_run"])
         key, sub = jax.random.split(key)
-        if greedy:
-            d_B, q = jnp.argmax(logits, axis=-1).astype(jnp.int32), None
-        else:
-            d_B = jax.random.categorical(sub, scaled_logits(logits, cfg), axis=-1)
-            d_B, q = d_B.astype(jnp.int32), draft_probs(logits, cfg)
+        d_B, q = _draw(logits, sub, cfg)
         return (d_B, caches, key), (d_B, q, {i: ids[i] for i in sparse})
 
     x_c = x.tokens[rows, x.cur]
@@ -152,6 +158,63 @@ def _draft_sparse_self(ctx, x: DraftIn) -> DraftOut:
     probs = None if q is None else q[:k].transpose(1, 0, 2)
     pages = {i: v.transpose(1, 0, 2, 3) for i, v in ids.items()}
     return DraftOut(drafts, probs, jnp.full_like(x.cur, k), caches, pages)
+
+
+def _draft_head(ctx, x: DraftIn) -> DraftOut:
+    """k autoregressive steps of the learned draft head (model/draft_head.py) on its own
+    cache: step 0 feeds (g of position cur - 1's policy features, x_cur), step j > 0 the
+    head's own output and its draft d_j. Samples from its truncated distribution q."""
+    head, model, cfg = ctx["head"], ctx["model"], ctx["cfg"]
+    k, s = ctx["spec_cfg"].draft_tokens, x.tokens.shape[1]
+    cache, g_BxD = x.head
+    embed = model.embed[...]
+
+    def step(carry, j):
+        tok_B, g_B, cache, key = carry
+        pos_B = jnp.minimum(x.cur + j, s - 1)
+        h, cache = head(
+            g_B[:, None], model.embed_tokens(tok_B[:, None]), "decode", cache=cache, pos_B=pos_B
+        )
+        key, sub = jax.random.split(key)
+        d_B, q = _draw(head.logits(h[:, 0], embed), sub, cfg)
+        return (d_B, h[:, 0], cache, key), (d_B, q)
+
+    x_c = x.tokens[jnp.arange(x.tokens.shape[0]), x.cur]
+    (_, _, cache, _), (d, q) = jax.lax.scan(step, (x_c, g_BxD, cache, x.key), jnp.arange(k))
+    probs = None if q is None else q.transpose(1, 0, 2)
+    return DraftOut(d.T, probs, jnp.full_like(x.cur, k), x.caches, {}, (cache, g_BxD))
+
+
+def _head_prefill(ctx, prompts_BxL, prompt_len_B, hiddens, s: int):
+    """The head's cache over the prompt (teacher-forced, the policy's features at every
+    prompt position) and g of the first generated position (prompt_len)."""
+    head, model = ctx["head"], ctx["model"]
+    g_BxLxD = head.feature(hiddens)
+    cache = head.init_cache(prompts_BxL.shape[0], s)
+    _, cache = head(
+        draft_head.shifted_features(g_BxLxD),
+        model.embed_tokens(prompts_BxL),
+        "prefill",
+        cache=cache,
+        lengths_B=prompt_len_B,
+    )
+    rows = jnp.arange(prompts_BxL.shape[0])
+    return cache, g_BxLxD[rows, prompt_len_B - 1]
+
+
+def _head_observe(ctx, head_state, hiddens, tokens_BxT, cur_B, n_new_B):
+    """After a verify over positions cur..cur+k: the head's cache entries at those positions
+    rewritten from the policy's true features (its draft steps wrote its own outputs
+    there; entries past the accepted tokens are overwritten before they are read), and g
+    of the row's new last token (position cur + n_new) from the policy's features at
+    cur + n_new - 1."""
+    head, model = ctx["head"], ctx["model"]
+    cache, g_BxD = head_state
+    feats = head.feature(hiddens)  # [B, k + 1, D]: the features of positions cur..cur+k
+    g_in = jnp.concatenate([g_BxD[:, None], feats[:, :-1]], axis=1)
+    _, cache = head(g_in, model.embed_tokens(tokens_BxT), "extend", cache=cache, pos_B=cur_B)
+    rows = jnp.arange(cur_B.shape[0])
+    return cache, feats[rows, jnp.maximum(n_new_B - 1, 0)]
 
 
 def _draft_history(ctx, x: DraftIn) -> DraftOut:
@@ -195,6 +258,7 @@ class Drafter:
     uses_phi: bool  # applies the LoRA adapter phi (the DistillSparse actor)
     sparse: bool  # decodes with block-sparse attention (its cache keeps page summaries)
     description: str
+    learned_head: bool = False  # reads the policy's features; carries the head's own cache
 
 
 DRAFTERS = {
@@ -203,6 +267,13 @@ DRAFTERS = {
     ),
     "history": Drafter(
         _draft_history, False, False, "suffix match in earlier rollouts of the prompt"
+    ),
+    "draft_head": Drafter(
+        _draft_head,
+        False,
+        False,
+        "a learned head on the policy's features (EAGLE-3 / NeMo-RL), trained online",
+        learned_head=True,
     ),
 }
 
@@ -215,7 +286,14 @@ class SpeculativeSampler:
         self.graphdef = graphdef
         self._jitted = jax.jit(
             self._sample,
-            static_argnames=("cfg", "spec_cfg", "draft_spec", "lora_scale", "return_cache"),
+            static_argnames=(
+                "cfg",
+                "spec_cfg",
+                "draft_spec",
+                "lora_scale",
+                "return_cache",
+                "head_graphdef",
+            ),
         )
 
     def __call__(
@@ -231,11 +309,16 @@ class SpeculativeSampler:
         lora_scale: float = 1.0,
         history: History | None = None,
         return_cache: bool = False,
+        head=None,
     ):
         """(Rollout of B * samples_per_prompt rows, SpecStats[, the final KV cache when
         return_cache]). draft_spec: the sparse drafter's attention (its page_size is the
         cache's); lora: phi, for sparse_self; history: bank rows of the batch's prompts
-        [P, H, S], for history (optional)."""
+        [P, H, S], for history (optional); head: (graphdef, state) of the learned draft
+        head (model/draft_head.py), for draft_head."""
+        if DRAFTERS[spec_cfg.draft].learned_head and head is None:
+            raise ValueError("the draft_head drafter needs head=(graphdef, state)")
+        head_graphdef, head_state = head if head is not None else (None, None)
         if cfg.grow_buffer_from:
             raise ValueError("speculative rollouts use one cache buffer: grow_buffer_from=0")
         lengths = jnp.asarray(prompt_lengths_B, jnp.int32)
@@ -251,11 +334,13 @@ class SpeculativeSampler:
             key,
             lora,
             history,
+            head_state,
             cfg=cfg,
             spec_cfg=spec_cfg,
             draft_spec=draft_spec,
             lora_scale=lora_scale,
             return_cache=return_cache,
+            head_graphdef=head_graphdef,
         )
 
     def _sample(
@@ -266,16 +351,22 @@ class SpeculativeSampler:
         key,
         lora,
         history,
+        head_state,
         *,
         cfg,
         spec_cfg,
         draft_spec,
         lora_scale,
         return_cache=False,
+        head_graphdef=None,
     ):
         drafter = DRAFTERS[spec_cfg.draft]
         model = nnx.merge(self.graphdef, state)
-        ctx = dict(cfg=cfg, spec_cfg=spec_cfg, history=history)
+        ctx = dict(cfg=cfg, spec_cfg=spec_cfg, history=history, model=model)
+        features = None  # the policy layers the draft head reads
+        if drafter.learned_head:
+            ctx["head"] = nnx.merge(head_graphdef, head_state)
+            features = ctx["head"].layers
         if drafter.uses_phi or drafter.sparse:
             # Its own copy of the state's variables: merge_lora writes into them in place.
             draft_model = nnx.merge(self.graphdef, jax.tree.map(lambda x: x, state))
@@ -292,11 +383,16 @@ class SpeculativeSampler:
         b0, l = prompts_BxL.shape
         s = buffer_length(l, cfg.max_new_tokens, cache_spec.page_size)
         caches = sharding.constrain_cache(model.init_cache(b0, s, cache_spec))
-        logits, caches = model.prefill(prompts_BxL, prompt_len_B, caches, cache_spec)
+        out = model.prefill(prompts_BxL, prompt_len_B, caches, cache_spec, hidden_at=features)
+        logits, caches = out[:2]
+        head_st = None  # draft_head: (its cache, g of each row's last token)
+        if drafter.learned_head:
+            head_st = _head_prefill(ctx, prompts_BxL, prompt_len_B, out[2], s)
         if n > 1:  # one prefill serves the n samples of each prompt
             rep = lambda x: jnp.repeat(x, n, axis=0)
             logits, caches = rep(logits), sharding.constrain_cache(jax.tree.map(rep, caches))
             prompts_BxL, prompt_len_B = rep(prompts_BxL), rep(prompt_len_B)
+            head_st = jax.tree.map(rep, head_st)
         b = b0 * n
         rows = jnp.arange(b)
         greedy = cfg.temperature == 0.0
@@ -330,14 +426,16 @@ class SpeculativeSampler:
         offs = jnp.arange(k + 1)[None]  # [1, k + 1]
 
         def body(st):
-            key, caches, tokens, logprobs, top, ncomp, done, page_ids, stats = st
+            key, caches, tokens, logprobs, top, ncomp, done, page_ids, stats, head_st = st
             key, k_draft, k_acc = jax.random.split(key, 3)
             cur = prompt_len_B + ncomp - 1  # each row's last token
-            out = drafter.draft(ctx, DraftIn(tokens, cur, cur + 1, caches, k_draft))
+            out = drafter.draft(ctx, DraftIn(tokens, cur, cur + 1, caches, k_draft, head_st))
             remaining = cfg.max_new_tokens - ncomp
             num = jnp.where(done, 0, jnp.clip(jnp.minimum(out.num, remaining - 1), 0, k))
-            verify_in = jnp.concatenate([tokens[rows, cur][:, None], out.drafts], axis=1)
-            logits, caches = model.extend(verify_in, cur, out.caches, cache_spec)
+            x_cur = tokens[rows, cur][:, None]
+            verify_in = jnp.concatenate([x_cur, out.drafts], axis=1)
+            ver = model.extend(verify_in, cur, out.caches, cache_spec, hidden_at=features)
+            logits, caches = ver[:2]
             logp = (
                 jax.nn.log_softmax(logits, -1)
                 if greedy
@@ -383,13 +481,16 @@ class SpeculativeSampler:
                 stats.accepted + (reached & ok).sum(0),
                 stats.iterations + 1,
             )
+            if drafter.learned_head:  # tokens at cur..cur+k: x_cur, then the emitted ones
+                fed_tokens = jnp.concatenate([x_cur, new[:, :k]], axis=1)
+                head_st = _head_observe(ctx, out.head, ver[2], fed_tokens, cur, n_new)
             ncomp = ncomp + n_new
             done = done | is_eos.any(1) | (ncomp >= cfg.max_new_tokens)
-            return key, caches, tokens, logprobs, top, ncomp, done, page_ids, stats
+            return key, caches, tokens, logprobs, top, ncomp, done, page_ids, stats, head_st
 
-        st = (key, caches, tokens, logprobs, top, ncomp, done, page_ids, stats)
+        st = (key, caches, tokens, logprobs, top, ncomp, done, page_ids, stats, head_st)
         st = jax.lax.while_loop(lambda st: ~jnp.all(st[6]), body, st)
-        _, caches, tokens, logprobs, top, ncomp, _, page_ids, stats = st
+        _, caches, tokens, logprobs, top, ncomp, _, page_ids, stats, _ = st
         pos = jnp.arange(s)[None]
         mask = (pos >= prompt_len_B[:, None]) & (pos < (prompt_len_B + ncomp)[:, None])
         rollout = Rollout(

@@ -9,6 +9,8 @@
                 theta's batch (old log-probs, off-policy corrections) and phi's teacher
   update_theta  PPO/GRPO minibatch updates of theta (phi is not an input)
   update_phi    theta frozen: L_PPO + lambda KL updates of phi on the same rollouts
+  update_draft_head  (rl.draft=draft_head) the learned drafter's soft cross-entropy steps
+                against the updated dense policy on the same rollouts
 
 Every phase is a function (ctx, setup, ...) -> (output, metrics); `PhaseLog.run` times
 each one the same way (time_<phase>, after its outputs are ready) and collects its
@@ -40,6 +42,7 @@ from dsparse_jax.sampling.history import prompt_key
 from dsparse_jax.sampling.sampler import PruneRecord, Rollout, SamplingConfig, buffer_length
 from dsparse_jax.sampling.speculative import acceptance_summary
 from dsparse_jax.train import distill, quality
+from dsparse_jax.train import draft_head as draft_head_train
 from dsparse_jax.train.context import RunContext
 from dsparse_jax.train.evaluation import score as grade
 from dsparse_jax.train.grpo import grpo_update, recompute_logprobs
@@ -291,6 +294,9 @@ def _speculative_rollout(ctx, setup: RLSetup, st: TrainState, key, prompts, leng
         history = bank.rows(
             slots, buffer_length(prompts_np.shape[1], scfg.max_new_tokens, ctx.spec.page_size)
         )
+    head = None
+    if setup.draft_head is not None:
+        head = (setup.draft_head.graphdef, st.draft_head)
     r, stats = ctx.spec_sampler(
         st.params,
         prompts,
@@ -302,6 +308,7 @@ def _speculative_rollout(ctx, setup: RLSetup, st: TrainState, key, prompts, leng
         st.lora,
         setup.lora_scale,
         history=history,
+        head=head,
     )
     if bank is not None:
         bank.add(slots, r.tokens, r.lengths, scfg.samples_per_prompt)
@@ -497,6 +504,33 @@ def update_theta(ctx, setup: RLSetup, st: TrainState, rec: Recomputed, key):
         settings=setup.settings,
     )
     return (params, opt_state), _summarize_updates(ms)
+
+
+def update_draft_head(ctx, setup: RLSetup, st: TrainState, batch: dict, key, prefix="draft_head_"):
+    """rl.draft=draft_head, after theta's update (st.params is the new theta): the head's
+    soft cross-entropy steps against the detached dense policy on `batch` {"tokens",
+    "mask"} (the step's kept rows, or SFT solutions for the warm start), over
+    rl.minibatches minibatches (train/draft_head.py)."""
+    h, c = setup.draft_head, ctx.config.rl
+    state, opt_state, ms = _minibatch_updates(
+        draft_head_train.head_update,
+        st.draft_head,
+        st.draft_head_opt_state,
+        batch,
+        key,
+        c.minibatches,
+        setup.plan,
+        params=st.params,
+        graphdef=ctx.graphdef,
+        head_graphdef=h.graphdef,
+        layers=h.layers,
+        tx=h.tx,
+        steps=h.steps,
+        temperature=c.temperature or 1.0,
+        loss_weight=h.loss_weight,
+    )
+    metrics = {prefix + k: float(np.mean([m[k] for m in ms])) for k in ms[0]}
+    return (state, opt_state), metrics
 
 
 def update_phi(ctx, setup: RLSetup, st: TrainState, sel: Selected, rec: Recomputed, key):

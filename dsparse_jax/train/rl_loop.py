@@ -21,11 +21,14 @@ halt the run. See docs/reliability.md.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
 import jax.numpy as jnp
 
+from dsparse_jax.data import batches
+from dsparse_jax.data.sources import problems
 from dsparse_jax.errors import UserError
 from dsparse_jax.parallel import sharding
 from dsparse_jax.reliability import checkpoints, faults
@@ -61,6 +64,7 @@ def rl_step(
         if setup.plan is not None:  # the same key on every process, replicated on the mesh
             rng = setup.plan.replicate(rng)
         k_roll, k_select, k_theta, k_phi = jax.random.split(rng, 4)
+        k_draft = jax.random.fold_in(k_phi, 1)
         log = phases.PhaseLog()
         gen = log.run("rollout", phases.rollout, ctx, setup, st, k_roll, step)
         faults.maybe_kill("rl_rollout", step + 1)
@@ -76,10 +80,23 @@ def rl_step(
             "update_theta", phases.update_theta, ctx, setup, st, rec, k_theta
         )
         faults.maybe_kill("rl_update", step + 1)
-        new = TrainState(params, opt_state, st.lora, st.lora_opt_state, *head)
+        new = TrainState(
+            params,
+            opt_state,
+            st.lora,
+            st.lora_opt_state,
+            *head,
+            st.draft_head,
+            st.draft_head_opt_state,
+        )
         if setup.mode.updates_phi:  # theta frozen: phi tracks the dense policy
             new.lora, new.lora_opt_state = log.run(
                 "update_phi", phases.update_phi, ctx, setup, new, sel, rec, k_phi
+            )
+        if setup.draft_head is not None:  # the drafter tracks the updated policy
+            batch = {"tokens": sel.kept.tokens, "mask": sel.kept.completion_mask}
+            new.draft_head, new.draft_head_opt_state = log.run(
+                "update_draft_head", phases.update_draft_head, ctx, setup, new, batch, k_draft
             )
         m = log.summary()
         tokens = m.get("tokens_generated", sharding.to_host(gen.rollout.completion_lengths).sum())
@@ -117,7 +134,14 @@ def evaluate(
 # ---------------------------------------------------------------------------------- the loop
 # Absent from checkpoints written before them (a run resumed with rl.prune newly enabled
 # starts its quality head fresh; one with rl.draft=history, an empty bank).
-OPTIONAL_KEYS = ("consecutive_skips", "quality_head", "quality_head_opt_state", "history")
+OPTIONAL_KEYS = (
+    "consecutive_skips",
+    "quality_head",
+    "quality_head_opt_state",
+    "history",
+    "draft_head",
+    "draft_head_opt_state",
+)
 
 
 def _saveable(
@@ -136,6 +160,9 @@ def _saveable(
     if st.head is not None:  # the rollout quality head (rl.prune) and its optimizer
         tree["quality_head"] = jax.tree.leaves(st.head)
         tree["quality_head_opt_state"] = jax.tree.leaves(st.head_opt_state)
+    if st.draft_head is not None:  # the learned drafter (rl.draft=draft_head)
+        tree["draft_head"] = jax.tree.leaves(st.draft_head)
+        tree["draft_head_opt_state"] = jax.tree.leaves(st.draft_head_opt_state)
     if bank is not None:  # the history drafter's bank (rl.draft=history)
         tree["history"] = bank.state()
     return tree
@@ -154,6 +181,12 @@ def _from_tree(tree: dict, st: TrainState):
         new.head = jax.tree.unflatten(jax.tree.structure(st.head), extra["quality_head"])
         new.head_opt_state = jax.tree.unflatten(
             jax.tree.structure(st.head_opt_state), extra["quality_head_opt_state"]
+        )
+    new.draft_head, new.draft_head_opt_state = st.draft_head, st.draft_head_opt_state
+    if st.draft_head is not None and "draft_head" in extra:
+        new.draft_head = jax.tree.unflatten(jax.tree.structure(st.draft_head), extra["draft_head"])
+        new.draft_head_opt_state = jax.tree.unflatten(
+            jax.tree.structure(st.draft_head_opt_state), extra["draft_head_opt_state"]
         )
     return new, rng, step, extra
 
@@ -192,6 +225,33 @@ def _resume(ckpt, st: TrainState, rng, mode: str, prompts_per_step: int, bank=No
     return st, rng, step, int(extra.get("consecutive_skips", 0))
 
 
+def warm_start_draft_head(ctx: RunContext, setup: RLSetup, st: TrainState, writer) -> TrainState:
+    """rl.draft_head.warmup_steps before RL step 1: the head learns the warm-start policy on
+    SFT solutions (teacher-forced batches of the training split, prompts_per_step *
+    samples_per_prompt rows each, one Adam step each). Logged as phase draft_warmup."""
+    h, c = setup.draft_head, ctx.config.rl
+    rows = c.prompts_per_step * c.samples_per_prompt
+    one_step = dataclasses.replace(setup, draft_head=dataclasses.replace(h, steps=1))
+    t0, progress = time.time(), Progress("draft_warmup", h.warmup_steps, every=ctx.config.log.every)
+    key = jax.random.key(ctx.config.seed + 6)
+    for i in range(h.warmup_steps):
+        batch_problems = problems(
+            ctx.task, "train", RL_DATA_OFFSET - (i + 1) * rows, rows, ctx.config.seed
+        )
+        tokens, mask = batches.encode_sft(ctx.tok, batch_problems, ctx.seq_width)
+        batch = {"tokens": jnp.asarray(tokens), "mask": jnp.asarray(mask)}
+        if setup.plan is not None:
+            batch = setup.plan.shard_batch(batch)
+        (st.draft_head, st.draft_head_opt_state), m = phases.update_draft_head(
+            ctx, one_step, st, batch, jax.random.fold_in(key, i), prefix=""
+        )
+        progress.update(i + 1, m, ("loss", "kl", "top1_agree"))
+    progress.close()
+    m["time"] = time.time() - t0
+    writer.write("draft_warmup", h.warmup_steps, m)
+    return st
+
+
 def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
     c = ctx.config.rl
     setup = make_setup(ctx)
@@ -216,6 +276,8 @@ def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
     if setup.plan is not None:
         ref_params = setup.plan.shard_state(ref_params)
     if step == 0:
+        if setup.draft_head is not None and setup.draft_head.warmup_steps:
+            st = warm_start_draft_head(ctx, setup, st, writer)
         evaluate(ctx, setup, st, 0, writer, jax.random.key(ctx.config.seed + 2))
 
     progress = Progress("rl", c.num_steps, start=step, every=ctx.config.log.every)

@@ -8,11 +8,12 @@ import dataclasses
 import math
 
 import jax
+from flax import nnx
 
 from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.config.validate import prune_positions, prune_sizes
 from dsparse_jax.data import batches
-from dsparse_jax.model import quality_head
+from dsparse_jax.model import draft_head, quality_head
 from dsparse_jax.model.lora import init_lora
 from dsparse_jax.parallel import sharding
 from dsparse_jax.rl import modes
@@ -21,6 +22,7 @@ from dsparse_jax.sampling.pruning import PruneConfig
 from dsparse_jax.sampling.sampler import buffer_length
 from dsparse_jax.sampling.speculative import SpeculativeConfig
 from dsparse_jax.train import distill, quality, steps
+from dsparse_jax.train import draft_head as draft_head_train
 from dsparse_jax.train.context import RunContext
 from dsparse_jax.train.grpo import GRPOSettings
 
@@ -62,6 +64,8 @@ class TrainState:
     lora_opt_state: object = None
     head: dict | None = None  # the rollout quality head (rl.prune; model/quality_head.py)
     head_opt_state: object = None
+    draft_head: object = None  # rl.draft=draft_head: the learned drafter's nnx.State
+    draft_head_opt_state: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +94,37 @@ class RLSetup:
     head_cfg: quality_head.HeadConfig | None = None
     head_tx: object = None
     head_steps: int = 0
+    draft_head: "DraftHeadSetup | None" = None  # rl.draft=draft_head
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftHeadSetup:
+    """The learned draft head's static parts (rl.draft_head)."""
+
+    graphdef: object
+    layers: tuple[int, ...]
+    tx: object
+    steps: int
+    loss_weight: float
+    warmup_steps: int
+
+
+def draft_head_setup(c, model_cfg) -> DraftHeadSetup:
+    h = c.draft_head
+    layers = draft_head.parse_layers(h.layers, model_cfg.num_layers)
+    graphdef, _ = nnx.split(
+        nnx.eval_shape(
+            lambda: draft_head.DraftHead(model_cfg, draft_head.DraftHeadConfig(layers), nnx.Rngs(0))
+        )
+    )
+    return DraftHeadSetup(
+        graphdef=graphdef,
+        layers=layers,
+        tx=draft_head_train.make_tx(h.learning_rate, h.max_grad_norm),
+        steps=h.steps,
+        loss_weight=float(h.loss_weight),
+        warmup_steps=h.warmup_steps,
+    )
 
 
 def prune_setup(c, d_model: int) -> dict:
@@ -173,6 +208,11 @@ def make_setup(ctx: RunContext) -> RLSetup:
         recompute_chunks=c.minibatches * c.microbatches,
         speculative=spec_cfg,
         history=bank,
+        draft_head=(
+            draft_head_setup(c, ctx.model_cfg)
+            if mode.speculative and c.draft == "draft_head"
+            else None
+        ),
         **prune_setup(c, ctx.model_cfg.d_model),
     )
 
@@ -196,4 +236,10 @@ def init_state(ctx: RunContext, setup: RLSetup, params) -> TrainState:
             setup.head_cfg, setup.head_tx, jax.random.key(ctx.config.seed + 4)
         )
         st.head, st.head_opt_state = put(head), put(head_opt)
+    if setup.draft_head is not None:
+        h = setup.draft_head
+        _, state = draft_head.create(
+            ctx.model_cfg, draft_head.DraftHeadConfig(h.layers), jax.random.key(ctx.config.seed + 5)
+        )
+        st.draft_head, st.draft_head_opt_state = put(state), put(h.tx.init(state))
     return st

@@ -24,6 +24,7 @@ class Trained:
     source: str  # "rl step N" | "sft step N"
     step: int
     head: dict | None = None  # the rollout quality head (rl.prune runs' RL checkpoints)
+    draft_head: object = None  # the learned drafter (rl.draft=draft_head runs' RL checkpoints)
 
 
 def workdir_config(workdir: str):
@@ -56,7 +57,7 @@ def load(ctx: RunContext, workdir: str, step: int | None = None) -> Trained:
                 raise UserError(f"{rl_dir}/{use}: {e}") from None
             finally:
                 ckpt.close()
-            return Trained(st.params, st.lora, setup, f"rl step {use}", use, st.head)
+            return Trained(st.params, st.lora, setup, f"rl step {use}", use, st.head, st.draft_head)
         ckpt.close()
     found = sft.restore(ctx, workdir, step)
     if found is None:
