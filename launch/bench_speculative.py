@@ -11,11 +11,15 @@ temperature --temperature. Rows: plain dense `Sampler`, then `SpeculativeSampler
 each drafter: sparse_self (theta + phi = 0 on the sparse attention of --budget pages) and
 history (no bank: the row's own context and its siblings).
 
+draft_head: the learned head (model/draft_head.py), first trained (--head_steps Adam
+steps, excluded from the timing) on --head_rows plain rollouts of other random prompts of
+the same length, as RL trains it on the policy's rollouts.
+
 Part 2 (--workdir, a run of the long-chain task): theta of the run's SFT warm start (or
 newest RL checkpoint), prompts of its training set, the task's own completion budget with
 EOS (tokens/s counts the tokens generated). Rows: plain, sparse_self with phi = 0,
 history over two epochs of the same prompts (epoch 1: an empty bank, epoch 2: the bank
-holds epoch 1's rollouts). With --phi_workdir (a DistillSparse run), also theta and phi
+holds epoch 1's rollouts), draft_head (trained on rollouts of other training prompts). With --phi_workdir (a DistillSparse run), also theta and phi
 of its newest RL checkpoint: plain and sparse_self with that phi against phi = 0 on the
 same theta (does distillation raise acceptance?).
 
@@ -84,8 +88,11 @@ def measure(
     lora=None,
     lora_scale=1.0,
     history=None,
+    head=None,
 ):
-    """One row: compile ahead of time, then time the calls."""
+    """One row: compile ahead of time, then time the calls. head: (graphdef, state) of the
+    learned draft head (draft_head)."""
+    head_graphdef, head_state = head if head is not None else (None, None)
     key = jax.random.key(0)
     prompts, lengths = jnp.asarray(prompts, jnp.int32), jnp.asarray(lengths, jnp.int32)
     t0 = time.perf_counter()
@@ -112,13 +119,15 @@ def measure(
             key,
             lora,
             history,
+            head_state,
             cfg=scfg,
             spec_cfg=spec_cfg,
             draft_spec=spec,
             lora_scale=lora_scale,
             return_cache=False,
+            head_graphdef=head_graphdef,
         ).compile()
-        call = lambda: compiled(params, prompts, lengths, key, lora, history)
+        call = lambda: compiled(params, prompts, lengths, key, lora, history, head_state)
     compile_s = time.perf_counter() - t0
     secs, out = _run(call, reps)
     rollout = out if spec_cfg is None else out[0]
@@ -176,6 +185,40 @@ def step_costs(model, spec, batch, context, k, reps):
     return out
 
 
+def train_head(graphdef, params, model_cfg, prompts, lengths, scfg, steps: int, seed: int = 1):
+    """A draft head trained on the policy's own plain rollouts of `prompts` (other prompts
+    than the timed ones): `steps` Adam steps (lr 1e-3) of its soft cross-entropy. Returns
+    ((graphdef, state), its metrics)."""
+    from dsparse_jax.model import draft_head
+    from dsparse_jax.train import draft_head as draft_head_train
+
+    t0 = time.perf_counter()
+    rows = Sampler(graphdef)(
+        params, prompts, lengths, jax.random.key(seed), scfg, AttentionSpec(page_size=16)
+    )
+    layers = draft_head.default_layers(model_cfg.num_layers)
+    hg, hs = draft_head.create(model_cfg, draft_head.DraftHeadConfig(layers), jax.random.key(seed))
+    tx = draft_head_train.make_tx(1e-3, 1.0)
+    hs, _, m = draft_head_train.head_update(
+        hs,
+        tx.init(hs),
+        {"tokens": rows.tokens, "mask": rows.completion_mask},
+        params,
+        graphdef=graphdef,
+        head_graphdef=hg,
+        layers=layers,
+        tx=tx,
+        steps=steps,
+        temperature=scfg.temperature or 1.0,
+    )
+    m = {k: round(float(v), 4) for k, v in jax.device_get(m).items()}
+    m.update(
+        rows=int(rows.tokens.shape[0]), steps=steps, seconds=round(time.perf_counter() - t0, 1)
+    )
+    log(f"draft head trained: {json.dumps(m)}")
+    return (hg, hs), m
+
+
 def part_random(args, spec):
     from flax import nnx
 
@@ -195,14 +238,71 @@ def part_random(args, spec):
             gen, -1, 0, temperature=args.temperature, samples_per_prompt=args.samples
         )
         rows = [measure("plain", graphdef, params, prompts, lengths, scfg, args.reps, spec=spec)[0]]
+        head = head_metrics = None
+        if "draft_head" in args.drafts:  # trained first, on rollouts of other prompts
+            hp = rng.integers(2, cfg.vocab_size, (args.head_rows, args.prompt_len))
+            head_cfg = dataclasses.replace(scfg, samples_per_prompt=1)
+            head, head_metrics = train_head(
+                graphdef,
+                params,
+                cfg,
+                hp,
+                np.full(args.head_rows, args.prompt_len),
+                head_cfg,
+                args.head_steps,
+            )
         for draft in args.drafts:
             sc = SpeculativeConfig(draft=draft, draft_tokens=args.k, ngram=args.ngram)
             dspec = spec if draft == "sparse_self" else AttentionSpec(page_size=spec.page_size)
             rows.append(
-                measure(draft, graphdef, params, prompts, lengths, scfg, args.reps, sc, dspec)[0]
+                measure(
+                    draft,
+                    graphdef,
+                    params,
+                    prompts,
+                    lengths,
+                    scfg,
+                    args.reps,
+                    sc,
+                    dspec,
+                    head=head if draft == "draft_head" else None,
+                )[0]
             )
         costs = step_costs(model, spec, args.batch, args.prompt_len + gen // 2, args.k, 5)
-        out.append({"generated_tokens": gen, "rows": with_ratios(rows), "step_costs": costs})
+        if head is not None:
+            costs.update(head_step_costs(model, head, args.batch, args.prompt_len + gen // 2, 5))
+        part = {"generated_tokens": gen, "rows": with_ratios(rows), "step_costs": costs}
+        if head_metrics is not None:
+            part["draft_head_training"] = head_metrics
+        out.append(part)
+    return out
+
+
+def head_step_costs(model, head, batch, context, reps):
+    """Seconds per draft step of the learned head at `context` cached tokens (its cache
+    only: one block, plus the unembedding)."""
+    from flax import nnx
+
+    hg, hs = head
+    h = nnx.merge(hg, hs)
+    cache = h.init_cache(batch, buffer_length(context, 2, 16))
+    g = jnp.zeros((batch, 1, model.cfg.d_model), jnp.float32)
+    tok = jnp.full((batch, 1), 2, jnp.int32)
+    pos = jnp.full((batch,), context, jnp.int32)
+
+    def step(c):
+        out, c = h(g, model.embed_tokens(tok), "decode", cache=c, pos_B=pos)
+        return h.logits(out[:, 0], model.embed[...]), c
+
+    fn = jax.jit(step, donate_argnums=0)
+    cache = jax.block_until_ready(fn(cache))[1]
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        cache = jax.block_until_ready(fn(cache))[1]
+        times.append(time.perf_counter() - t0)
+    out = {"head_draft_step_s": round(float(np.median(times)), 5)}
+    log(json.dumps(out))
     return out
 
 
@@ -249,12 +349,21 @@ def part_trained(args, spec):
         )
         rows.append(row)
         bank.add(slots, r.tokens, r.lengths, args.samples)
-    out = {
-        "workdir": args.workdir,
-        "theta": base.source,
-        "generated_tokens_max": gen,
-        "rows": with_ratios(rows),
-    }
+    out = {"workdir": args.workdir, "theta": base.source, "generated_tokens_max": gen}
+    if "draft_head" in args.drafts:  # trained on rollouts of other training prompts
+        hp, hl = batches.encode_prompts(
+            ctx.tok, sources.problems(ctx.task, "train", p, args.head_rows, config.seed), width
+        )
+        head_cfg = dataclasses.replace(scfg, samples_per_prompt=1)
+        head, out["draft_head_training"] = train_head(
+            ctx.graphdef, base.params, ctx.model_cfg, hp, hl, head_cfg, args.head_steps
+        )
+        rows.append(
+            measure(
+                "draft_head", *common, SpeculativeConfig("draft_head", args.k), dense, head=head
+            )[0]
+        )
+    out["rows"] = with_ratios(rows)
     if args.phi_workdir:
         tuned = trained.load(ctx, args.phi_workdir)
         if tuned.lora is None:
@@ -294,7 +403,9 @@ def main(argv=None):
     ap.add_argument("--ngram", type=int, default=4)
     ap.add_argument("--budget", type=int, default=8, help="sparse_self pages per step")
     ap.add_argument("--page_size", type=int, default=16)
-    ap.add_argument("--drafts", default="sparse_self,history")
+    ap.add_argument("--drafts", default="sparse_self,history,draft_head")
+    ap.add_argument("--head_rows", type=int, default=8, help="draft_head: training rollouts")
+    ap.add_argument("--head_steps", type=int, default=300, help="draft_head: Adam steps")
     ap.add_argument("--history_per_prompt", type=int, default=8)
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--workdir", default="", help="part 2: a long-chain run (SFT or RL)")

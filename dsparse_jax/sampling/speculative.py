@@ -3,7 +3,7 @@
 One jitted `lax.while_loop`; each iteration, for every live row whose last token x_c sits
 at position c (its K/V not yet in the cache):
 
-  draft    up to k tokens d_1..d_k (`DRAFTERS`: `sparse_self` or `history`);
+  draft    up to k tokens d_1..d_k (`DRAFTERS`: `sparse_self`, `history` or `draft_head`);
   verify   one dense `Transformer.extend` over [x_c, d_1..d_k] at positions c..c+k: writes
            their K/V and returns the verifier's distributions p_0..p_k;
   accept   `rejection.accept` keeps a prefix d_1..d_a and draws one more token (the
@@ -34,6 +34,12 @@ Drafters (a table, `DRAFTERS`):
                RL steps, `HistoryBank`), in its siblings of the current group (their tokens
                so far) and in its own context proposes the tokens that followed it. A
                deterministic draft (no q). All on device, inside the loop.
+  draft_head   a learned head (model/draft_head.py; EAGLE-3 / NeMo-RL) on the policy's
+               features at an early, a middle and the last layer: its own parameters and
+               KV cache (filled at prefill from the prompt's features; after each verify
+               its entries at c..c+k are rewritten from the policy's true features), k
+               autoregressive steps, sampled from its truncated q. Trained online during
+               RL (train/draft_head.py).
 """
 
 from __future__ import annotations
@@ -190,7 +196,7 @@ def _head_prefill(ctx, prompts_BxL, prompt_len_B, hiddens, s: int):
     prompt position) and g of the first generated position (prompt_len)."""
     head, model = ctx["head"], ctx["model"]
     g_BxLxD = head.feature(hiddens)
-    cache = head.init_cache(prompts_BxL.shape[0], s)
+    cache = sharding.constrain_cache([head.init_cache(prompts_BxL.shape[0], s)])[0]
     _, cache = head(
         draft_head.shifted_features(g_BxLxD),
         model.embed_tokens(prompts_BxL),
