@@ -585,3 +585,51 @@ def test_grow_layer_cache_keeps_contents_and_zero_pads():
         kv_cache.grow_layer_cache(c, 22, 4)
     with pytest.raises(ValueError, match="shrink"):
         kv_cache.grow_layer_cache(c, 4, 4)
+
+
+# ----------------------------------------------------------------------------- (f)
+def test_gather_rows_is_a_bitwise_row_gather():
+    """sparse._gather_rows (the K/V page gather of a decode step, FILL_OR_DROP mode) returns
+    exactly the rows of the [B * K * pages, page_size * H] view it is given: numpy fancy
+    indexing, bitwise, for ids anywhere in the cache (first and last row included)."""
+    b, kv, pages, ps, h, p = 3, 2, 9, 4, 5, 6
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(b, kv, pages * ps, h)).astype(np.float32)
+    ids = rng.integers(0, pages, (b, kv, p)).astype(np.int32)
+    ids[0, 0, 0], ids[-1, -1, -1] = 0, pages - 1
+    rows = np.asarray(sparse._page_rows(jnp.asarray(ids), pages))
+    got = np.asarray(jax.jit(sparse._gather_rows, static_argnums=2)(x, rows, ps))
+    want = x.reshape(b * kv * pages, ps * h)[rows].reshape(b, kv, p * ps, h)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_sparse_decode_attention_matches_numpy(softcap):
+    """One sparse decode step equals numpy attention over the keys of its selected pages
+    at positions <= pos (NO_PAGE slots, a partial current page, GQA 2), f32, 1e-5."""
+    b, kv, g, h, ps, pages = 3, 2, 2, 8, 4, 12
+    rng = np.random.default_rng(4)
+    q = rng.normal(size=(b, kv * g, h)).astype(np.float32)
+    k, v = (rng.normal(size=(b, kv, pages * ps, h)).astype(np.float32) for _ in range(2))
+    pos = np.array([45, 13, 30], np.int32)
+    ids = np.full((b, kv, 5), NO_PAGE, np.int32)
+    for r in range(b):
+        for j in range(kv):
+            cur = pos[r] // ps
+            n = min(5, cur + 1) - j  # head 1 reads one page fewer: a NO_PAGE slot
+            others = rng.permutation(cur)[: n - 1]
+            ids[r, j, :n] = rng.permutation(np.concatenate([[cur], others]))
+    layer = LayerInfo(index=1, window=None, softcap=softcap, scale=0.3)
+    got = np.asarray(
+        jax.jit(sparse.sparse_decode_attention, static_argnums=(5, 6))(q, k, v, pos, ids, layer, ps)
+    )
+    for r in range(b):
+        for j in range(kv):
+            keys = [t for pg in ids[r, j] if pg != NO_PAGE for t in range(pg * ps, pg * ps + ps)]
+            keys = [t for t in keys if t <= pos[r]]
+            s = q[r, j * g : (j + 1) * g] @ k[r, j, keys].T * 0.3
+            if softcap is not None:
+                s = softcap * np.tanh(s / softcap)
+            w = np.exp(s - s.max(-1, keepdims=True))
+            want = (w / w.sum(-1, keepdims=True)) @ v[r, j, keys]
+            np.testing.assert_allclose(got[r, j * g : (j + 1) * g], want, atol=1e-5, rtol=0)

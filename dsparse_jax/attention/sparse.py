@@ -28,8 +28,14 @@ def _page_rows(page_ids_BxKxP, num_pages: int):
 
 def _gather_rows(x_BxKxSxH, rows_BxKxP, page_size: int):
     """The pages at rows_BxKxP as [B, K, P * page_size, H]: one contiguous page_size * H
-    row per page (a row gather; rows are in range by construction, clip mode only guards
-    against invalid page ids)."""
+    row per page (a row gather).
+
+    Rows are in range by construction (_page_rows). The gather runs in FILL_OR_DROP mode
+    (a row out of range would read as NaN, never another row's keys): the same values as
+    CLIP mode for every in-range row, and on XLA:CPU (jax 0.10.2) the fusion it lowers to
+    (the gather under a select) runs 1.6-1.9x faster than CLIP's (a gather under a layout
+    copy): K and V of 32 rows x 32 pages, 2.3 -> 1.2 ms at 1k context, 4.2 -> 2.6 ms at 16k
+    (issue 22, docs/benchmarks.md)."""
     b, kv, s, h = x_BxKxSxH.shape
     p = rows_BxKxP.shape[-1]
     flat = x_BxKxSxH.reshape(b * kv * (s // page_size), page_size * h)
@@ -37,7 +43,11 @@ def _gather_rows(x_BxKxSxH, rows_BxKxP, page_size: int):
         offset_dims=(3,), collapsed_slice_dims=(0,), start_index_map=(0,)
     )
     out = jax.lax.gather(
-        flat, rows_BxKxP[..., None], dnums, (1, page_size * h), mode=jax.lax.GatherScatterMode.CLIP
+        flat,
+        rows_BxKxP[..., None],
+        dnums,
+        (1, page_size * h),
+        mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
     )
     return out.reshape(b, kv, p * page_size, h)
 
