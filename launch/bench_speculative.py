@@ -172,17 +172,22 @@ def step_costs(model, spec, batch, context, k, reps):
     }
     out = {"context": context}
     for name, fn in calls.items():
-        fn = jax.jit(fn, donate_argnums=0)
-        caches = jax.tree.map(jnp.copy, caches)
-        caches = jax.block_until_ready(fn(caches))[1]
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            caches = jax.block_until_ready(fn(caches))[1]
-            times.append(time.perf_counter() - t0)
-        out[name] = round(float(np.median(times)), 5)
+        out[name], caches = _time_donated(fn, jax.tree.map(jnp.copy, caches), reps)
     log(json.dumps(out))
     return out
+
+
+def _time_donated(fn, cache, reps: int):
+    """(median seconds, cache) of `reps` calls of jit(fn) (cache -> (out, cache), the cache
+    donated and threaded through the calls) after one untimed call."""
+    fn = jax.jit(fn, donate_argnums=0)
+    cache = jax.block_until_ready(fn(cache))[1]
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        cache = jax.block_until_ready(fn(cache))[1]
+        times.append(time.perf_counter() - t0)
+    return round(float(np.median(times)), 5), cache
 
 
 def train_head(graphdef, params, model_cfg, prompts, lengths, scfg, steps: int, seed: int = 1):
@@ -294,14 +299,7 @@ def head_step_costs(model, head, batch, context, reps):
         out, c = h(g, model.embed_tokens(tok), "decode", cache=c, pos_B=pos)
         return h.logits(out[:, 0], model.embed[...]), c
 
-    fn = jax.jit(step, donate_argnums=0)
-    cache = jax.block_until_ready(fn(cache))[1]
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        cache = jax.block_until_ready(fn(cache))[1]
-        times.append(time.perf_counter() - t0)
-    out = {"head_draft_step_s": round(float(np.median(times)), 5)}
+    out = {"head_draft_step_s": _time_donated(step, cache, reps)[0]}
     log(json.dumps(out))
     return out
 

@@ -80,14 +80,8 @@ def rl_step(
             "update_theta", phases.update_theta, ctx, setup, st, rec, k_theta
         )
         faults.maybe_kill("rl_update", step + 1)
-        new = TrainState(
-            params,
-            opt_state,
-            st.lora,
-            st.lora_opt_state,
-            *head,
-            st.draft_head,
-            st.draft_head_opt_state,
+        new = dataclasses.replace(
+            st, params=params, opt_state=opt_state, head=head[0], head_opt_state=head[1]
         )
         if setup.mode.updates_phi:  # theta frozen: phi tracks the dense policy
             new.lora, new.lora_opt_state = log.run(
@@ -176,19 +170,23 @@ def _from_tree(tree: dict, st: TrainState):
         new.lora_opt_state = jax.tree.unflatten(
             jax.tree.structure(st.lora_opt_state), extra["lora_opt_state"]
         )
-    new.head, new.head_opt_state = st.head, st.head_opt_state
-    if st.head is not None and "quality_head" in extra:
-        new.head = jax.tree.unflatten(jax.tree.structure(st.head), extra["quality_head"])
-        new.head_opt_state = jax.tree.unflatten(
-            jax.tree.structure(st.head_opt_state), extra["quality_head_opt_state"]
-        )
-    new.draft_head, new.draft_head_opt_state = st.draft_head, st.draft_head_opt_state
-    if st.draft_head is not None and "draft_head" in extra:
-        new.draft_head = jax.tree.unflatten(jax.tree.structure(st.draft_head), extra["draft_head"])
-        new.draft_head_opt_state = jax.tree.unflatten(
-            jax.tree.structure(st.draft_head_opt_state), extra["draft_head_opt_state"]
-        )
+    new.head, new.head_opt_state = _optional_pair(extra, "quality_head", st.head, st.head_opt_state)
+    new.draft_head, new.draft_head_opt_state = _optional_pair(
+        extra, "draft_head", st.draft_head, st.draft_head_opt_state
+    )
     return new, rng, step, extra
+
+
+def _optional_pair(extra: dict, key: str, state, opt_state):
+    """An optional (state, optimizer state) pair saved as flat leaf lists under `key` and
+    `key`_opt_state, unflattened into the templates' structures; the templates themselves
+    where the checkpoint predates the key (or the run has no such state)."""
+    if state is None or key not in extra:
+        return state, opt_state
+    return (
+        jax.tree.unflatten(jax.tree.structure(state), extra[key]),
+        jax.tree.unflatten(jax.tree.structure(opt_state), extra[key + "_opt_state"]),
+    )
 
 
 def _restore(ckpt, latest: int, st: TrainState, rng):
