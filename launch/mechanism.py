@@ -7,7 +7,9 @@
       --steps=100
 
 Both start from the run's SFT warm start (<workdir>/sft, made by
-`launch/train.py --sft_only`) and write JSON to --out (default <workdir>/mechanism/).
+`launch/train.py --sft_only`) and write JSON to --out (default <workdir>/mechanism/),
+rewritten after every budget or (KL kind, learning rate) run ("complete": false until
+the last), so a long run that stops keeps what it measured.
 
 lookups (a): the naive sparse actor (theta, no adapter) samples rl.samples_per_prompt
   completions of --prompts RL prompts per budget. For every lookup step (the value token
@@ -153,7 +155,7 @@ class Lab:
         return out, found, hit
 
 
-def cmd_lookups(lab: Lab, args) -> dict:
+def cmd_lookups(lab: Lab, args, save) -> dict:
     import jax
     import numpy as np
 
@@ -161,6 +163,15 @@ def cmd_lookups(lab: Lab, args) -> dict:
     from dsparse_jax.train.evaluation import score
 
     rows = []
+    result = {
+        "sparse_layers": sparse_layers(lab.ctx.model_cfg, lab.spec(args.budgets[0])),
+        "kv_heads": lab.ctx.model_cfg.num_kv_heads,
+        "seq_pages": lab.ctx.seq_width // lab.ctx.spec.page_size,
+        "sft_greedy_accuracy": lab.sft_accuracy,
+        "prompts": args.prompts,
+        "samples_per_prompt": lab.config.rl.samples_per_prompt,
+        "rows": rows,
+    }
     for budget in args.budgets:
         spec = lab.spec(budget)
         t = time.time()
@@ -171,15 +182,8 @@ def cmd_lookups(lab: Lab, args) -> dict:
         out["completion_tokens_mean"] = float(np.mean(r.completion_lengths))
         print(f"[lookups] budget {budget}: " + _brief(out), flush=True)
         rows.append(out)
-    return {
-        "sparse_layers": sparse_layers(lab.ctx.model_cfg, lab.spec(args.budgets[0])),
-        "kv_heads": lab.ctx.model_cfg.num_kv_heads,
-        "seq_pages": lab.ctx.seq_width // lab.ctx.spec.page_size,
-        "sft_greedy_accuracy": lab.sft_accuracy,
-        "prompts": args.prompts,
-        "samples_per_prompt": lab.config.rl.samples_per_prompt,
-        "rows": rows,
-    }
+        save(result)
+    return result
 
 
 def _brief(out: dict) -> str:
@@ -201,7 +205,7 @@ def _fmt(v) -> str:
     return "-" if v is None else f"{v:.4g}"
 
 
-def cmd_distill(lab: Lab, args) -> dict:
+def cmd_distill(lab: Lab, args, save) -> dict:
     import dataclasses
 
     import jax
@@ -226,6 +230,14 @@ def cmd_distill(lab: Lab, args) -> dict:
         )
     fresh_index = args.replay * args.prompts  # fresh prompts: past the replay's
     runs = []
+    result = {
+        "budget": args.budget,
+        "prompts": args.prompts,
+        "replay_batches": args.replay,
+        "steps": args.steps,
+        "runs": runs,
+        "settings": dataclasses.asdict(lab.ctx.lora_cfg),
+    }
     for kl in args.kls:
         for lr in args.lrs:
             settings = distill.DistillSettings(
@@ -282,14 +294,8 @@ def cmd_distill(lab: Lab, args) -> dict:
                 }
             )
             print(f"[distill] kl={kl} lr={lr:g} selection: {runs[-1]['selection']}", flush=True)
-    return {
-        "budget": args.budget,
-        "prompts": args.prompts,
-        "replay_batches": args.replay,
-        "steps": args.steps,
-        "runs": runs,
-        "settings": dataclasses.asdict(lab.ctx.lora_cfg),
-    }
+            save(result)
+    return result
 
 
 def _dense_logp(lab: Lab, tokens):
@@ -383,12 +389,20 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(rest)
     config = cli.load_config(path or DEFAULT_CONFIG, overrides)
     lab = Lab(config, args.workdir)
-    result = (cmd_lookups if args.command == "lookups" else cmd_distill)(lab, args)
-    result.update(command=args.command, config=path or DEFAULT_CONFIG, overrides=overrides)
     out = args.out or os.path.join(args.workdir, "mechanism", f"{args.command}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+    command = cmd_lookups if args.command == "lookups" else cmd_distill
+
+    def save(result: dict, done: bool = False):
+        """Write the JSON so far (after every budget or (kl, lr) run: a crash keeps them)."""
+        result.update(command=args.command, config=path or DEFAULT_CONFIG, overrides=overrides)
+        result["complete"] = done
+        tmp = out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(tmp, out)
+
+    save(command(lab, args, save), done=True)
     print(f"[mechanism] wrote {out}", flush=True)
     return 0
 

@@ -142,6 +142,7 @@ def test_mechanism_script_end_to_end(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.load(open(os.path.join(w, "mechanism", "lookups.json")))
     assert out["sparse_layers"] == [1, 2] and [r["budget"] for r in out["rows"]] == [3, 4]
+    assert out["complete"] is True
     for r in out["rows"]:
         assert r["lookup_steps"] + r["vote_steps"] >= 0 and r["kl_mean"] >= 0
     args = ["--steps=2", "--every=1", "--lrs=1e-2", "--replay=1", "--prompts=2"]
@@ -149,5 +150,6 @@ def test_mechanism_script_end_to_end(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.load(open(os.path.join(w, "mechanism", "distill.json")))
     assert [(r["kl"], len(r["curve"])) for r in out["runs"]] == [("k3", 3), ("exact_reverse", 3)]
+    assert out["complete"] is True
     sel = out["runs"][0]["selection"]
     assert 0 <= sel["page_overlap"] <= 1 and sel["kl_phi_on_own_pages"] >= 0
