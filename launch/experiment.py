@@ -38,6 +38,7 @@ DEFAULT_CONFIG = os.path.join(ROOT, "configs", "gemma_math.py")
 
 from dsparse_jax.config import cli  # noqa: E402
 from dsparse_jax.errors import UserError  # noqa: E402
+from dsparse_jax.reliability.files import write_json_atomic  # noqa: E402
 from dsparse_jax.report.variants import ALIASES, DESCRIPTIONS, MAIN, VARIANTS  # noqa: E402
 
 # Every run (below the quick preset and --set): completion-position bins of 16 tokens for
@@ -163,13 +164,6 @@ def _read_json(path: str):
         return None
 
 
-def _write_json(path: str, obj) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
-
-
 def run_state(workdir: str, num_steps: int) -> tuple[str, int]:
     """('done' | 'partial' | 'new', last RL step logged). Done: summary.json written (the
     run's last act) after RL reached num_steps with the final evaluation logged."""
@@ -284,7 +278,7 @@ def ensure_sft_base(args, common: dict, seed: int) -> str | None:
     started = datetime.datetime.now().isoformat(timespec="seconds")
     rc, wall = _launch(cmd, os.path.join(base, "train.log"), _child_env(args), args.verbose)
     meta["attempts"].append({"start": started, "wall_s": wall, "rc": rc})
-    _write_json(meta_path, meta)
+    write_json_atomic(meta_path, meta, indent=2)
     if rc != 0 or not os.path.exists(os.path.join(base, "sft", "DONE.json")):
         raise SystemExit(
             f"[experiment] SFT warm start failed (rc {rc}):\n"
@@ -367,7 +361,7 @@ def cmd_run(args) -> int:
             "runs": sorted(set(exp.get("runs", [])) | {run_name(v, s) for v, s in runs}),
         }
     )
-    _write_json(exp_path, exp)
+    write_json_atomic(exp_path, exp, indent=2)
     base = ensure_sft_base(args, common, seeds[0])
     env = _child_env(args)
     failed = []
@@ -390,7 +384,7 @@ def cmd_run(args) -> int:
             description=DESCRIPTIONS[v],
             overrides={k: fmt_value(x) for k, x in over.items()},
         )
-        _write_json(meta_path, meta)
+        write_json_atomic(meta_path, meta, indent=2)
         give_sft(base, wd)
         state, last = run_state(wd, num_steps)
         print(
@@ -414,14 +408,14 @@ def cmd_run(args) -> int:
             meta["attempts"].append(
                 {"start": started, "rc": "interrupted", "wall_s": time.time() - t_run}
             )
-            _write_json(meta_path, meta)
+            write_json_atomic(meta_path, meta, indent=2)
             print(
                 f"\n[experiment] interrupted during {name}; rerun the same command to resume",
                 flush=True,
             )
             return 130
         meta["attempts"].append({"start": started, "wall_s": wall, "rc": rc})
-        _write_json(meta_path, meta)
+        write_json_atomic(meta_path, meta, indent=2)
         state, last = run_state(wd, num_steps)
         if rc != 0 or state != "done":
             failed.append(name)
@@ -654,7 +648,7 @@ def cmd_sweep(args) -> int:
     result["overrides"] = {k: fmt_value(v) for k, v in common.items()}
     out = os.path.join(args.expdir, "sweep")
     os.makedirs(out, exist_ok=True)
-    _write_json(os.path.join(out, "sweep.json"), result)
+    write_json_atomic(os.path.join(out, "sweep.json"), result, indent=2)
     with open(os.path.join(out, "sweep.md"), "w") as f:
         f.write(sweep_markdown(result))
     print(sweep_markdown(result), flush=True)

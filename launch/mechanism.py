@@ -28,7 +28,6 @@ distill (b, c): theta frozen, phi (LoRA, zero at the start) trained with
   pages vs on its own.
 """
 
-import json
 import os
 import sys
 import time
@@ -37,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from dsparse_jax.config import cli  # noqa: E402
 from dsparse_jax.errors import UserError  # noqa: E402
+from dsparse_jax.reliability import files  # noqa: E402
 
 DEFAULT_CONFIG = "configs/mini_longchain.py"
 
@@ -397,10 +397,7 @@ def main(argv: list[str]) -> int:
         """Write the JSON so far (after every budget or (kl, lr) run: a crash keeps them)."""
         result.update(command=args.command, config=path or DEFAULT_CONFIG, overrides=overrides)
         result["complete"] = done
-        tmp = out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(tmp, out)
+        files.write_json_atomic(out, result, indent=1)
 
     save(command(lab, args, save), done=True)
     print(f"[mechanism] wrote {out}", flush=True)

@@ -13,7 +13,7 @@ from jax.experimental import multihost_utils
 
 from dsparse_jax.data import batches, curriculum
 from dsparse_jax.errors import UserError
-from dsparse_jax.reliability import checkpoints, faults
+from dsparse_jax.reliability import checkpoints, faults, files
 from dsparse_jax.report.metrics import MetricsWriter, Progress
 from dsparse_jax.train import steps
 from dsparse_jax.train.context import RunContext
@@ -177,10 +177,7 @@ def warm_start(ctx: RunContext, workdir: str, writer: MetricsWriter):
         )
     faults.maybe_kill("sft_done", step)  # stopped and saved, DONE.json not yet written
     if jax.process_index() == 0:  # one writer; the other hosts wait for it below
-        tmp = done_path + ".tmp"
-        with open(tmp, "w") as f:  # atomic: a kill leaves the old state or the new file
-            json.dump({"step": step, "accuracy": accuracy}, f)
-        os.replace(tmp, done_path)
+        files.write_json_atomic(done_path, {"step": step, "accuracy": accuracy})
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("sft_done")
     print(
