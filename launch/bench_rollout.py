@@ -42,7 +42,9 @@ median wall time of --twin_reps calls and XLA's compiled memory analysis (tempor
 buffers = the peak working set besides inputs and outputs).
 
 Configuration names: "dense", or "<policy>:<dense_layers>" (e.g. "distillsparse:0" is
-every global layer sparse, "distillsparse:2" keeps layers 0-1 dense, the default).
+every global layer sparse, "distillsparse:2" keeps layers 0-1 dense, the default), with an
+optional two-level selection suffix ":g<G>c<C>" (group_pages G, candidate_groups C; e.g.
+"distillsparse:0:g8c16").
 """
 
 from __future__ import annotations
@@ -162,11 +164,15 @@ def spec_for(name: str, budget: int, page_size: int, impl: str = "xla"):
 
     if name == "dense":
         return AttentionSpec(impl=impl, page_size=page_size)
-    policy, dense_layers = name.split(":")
+    policy, dense_layers, *two_level = name.split(":")
+    groups = {}
+    if two_level:
+        g, c = two_level[0].removeprefix("g").split("c")
+        groups = dict(group_pages=int(g), candidate_groups=int(c))
     return AttentionSpec(
         impl=impl,
         page_size=page_size,
-        sparse=SparseSpec(policy=policy, budget=budget, dense_layers=int(dense_layers)),
+        sparse=SparseSpec(policy=policy, budget=budget, dense_layers=int(dense_layers), **groups),
     )
 
 
@@ -430,7 +436,7 @@ def twin_pages(spec, model, batch: int, seq_len: int, prompt_len: int):
 
     from dsparse_jax.attention import selection
 
-    sp = dataclasses.replace(spec.sparse, policy="streaming")
+    sp = dataclasses.replace(spec.sparse, policy="streaming", group_pages=0)
     pos = jnp.arange(seq_len)
     q_TxKxGxH = jnp.zeros((seq_len, model.cfg.num_kv_heads, 1, 1))  # streaming reads no scores
     ids_TxKxP = selection.select_pages(

@@ -6,7 +6,10 @@
       --workdir=runs/mini_longchain --budget=8 --kls=k3,exact_reverse --lrs=1e-3,1e-2 \\
       --steps=100
 
-Both start from the run's SFT warm start (<workdir>/sft, made by
+  python launch/mechanism.py selection --config=configs/mini_longchain.py \\
+      --workdir=runs/mini_longchain --budget=8 --groups=4:5,4:8,2:8
+
+All start from the run's SFT warm start (<workdir>/sft, made by
 `launch/train.py --sft_only`) and write JSON to --out (default <workdir>/mechanism/),
 rewritten after every budget or (KL kind, learning rate) run ("complete": false until
 the last), so a long run that stops keeps what it measured.
@@ -26,6 +29,12 @@ distill (b, c): theta frozen, phi (LoRA, zero at the start) trained with
   giving the pages theta alone would have read on the same prefixes: the overlap of the
   two page sets, the lookup hit rates of each, and the KL of the phi actor on theta's
   pages vs on its own.
+selection: two-level page selection (sparse.group_pages G, candidate_groups C; "G:C" per
+  --groups entry) against the flat one. The naive sparse actor (flat selection) samples
+  rollouts; each is replayed through the two-level actor's decode loop (forced tokens),
+  so both select pages on the same prefixes: the fraction of the flat pages the two
+  levels also read, the lookup hit rates of each, and the exact KL(sparse || dense) on
+  those tokens with each page set.
 """
 
 import os
@@ -352,35 +361,96 @@ def _selection_effect(lab: Lab, spec, lora, fresh_index: int, count: int) -> dic
     )
     assert np.array_equal(r_theta.tokens, r_phi.tokens)
     mask = np.asarray(r_phi.completion_mask) > 0
-    overlap = []
-    for i, ids_phi in r_phi.page_ids.items():
-        a, b = np.asarray(ids_phi)[mask], np.asarray(r_theta.page_ids[i])[mask]  # [N, K, P]
-        same = (a[..., :, None] == b[..., None, :]).any(-1) & (a >= 0)
-        overlap.append(same.sum() / max((a >= 0).sum(), 1))
     own, steps, hit_phi = lab.analyse(r_phi, spec, lora, scale)
     theta_pages = r_phi.replace(page_ids=r_theta.page_ids)
     on_theta, _, _ = lab.analyse(theta_pages, spec, lora, scale)
     theta_ids = {i: np.asarray(x) for i, x in r_theta.page_ids.items()}
     hit_theta = mechanism.hits(steps, theta_ids, spec.page_size)
-    all_hit = lambda h: float(np.mean(np.all([x.all(1) for x in h.values()], axis=0)))
     return {
-        "page_overlap": float(np.mean(overlap)),
-        "hit_rate_phi_pages": all_hit(hit_phi),
-        "hit_rate_theta_pages": all_hit(hit_theta),
+        "page_overlap": _page_overlap(r_phi.page_ids, r_theta.page_ids, mask),
+        "hit_rate_phi_pages": _all_hit(hit_phi),
+        "hit_rate_theta_pages": _all_hit(hit_theta),
         "kl_phi_on_own_pages": own["kl_mean"],
         "kl_phi_on_theta_pages": on_theta["kl_mean"],
     }
 
 
+def _page_overlap(ids_a: dict, ids_b: dict, mask) -> float:
+    """Fraction of the pages in ids_a (per sparse layer [B, S, K, P]) also in ids_b, over
+    the completion positions in mask."""
+    import numpy as np
+
+    overlap = []
+    for i, a_all in ids_a.items():
+        a, b = np.asarray(a_all)[mask], np.asarray(ids_b[i])[mask]  # [N, K, P]
+        same = (a[..., :, None] == b[..., None, :]).any(-1) & (a >= 0)
+        overlap.append(same.sum() / max((a >= 0).sum(), 1))
+    return float(np.mean(overlap))
+
+
+def _all_hit(hits: dict) -> float:
+    """Fraction of lookup steps whose definition page every sparse layer and head read."""
+    import numpy as np
+
+    return float(np.mean(np.all([x.all(1) for x in hits.values()], axis=0)))
+
+
+def cmd_selection(lab: Lab, args, save) -> dict:
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from dsparse_jax.report import mechanism
+
+    flat = lab.spec(args.budget)
+    _, r = lab.rollout(flat, 0, args.prompts, jax.random.key(lab.config.seed + 31))
+    mask = np.asarray(r.completion_mask) > 0
+    base, steps, hit_flat = lab.analyse(r, flat)
+    rows = []
+    result = {
+        "budget": args.budget,
+        "prompts": args.prompts,
+        "seq_pages": lab.ctx.seq_width // flat.page_size,
+        "flat": {"kl_mean": base["kl_mean"], "hit_rate": _all_hit(hit_flat)},
+        "rows": rows,
+    }
+    for entry in args.groups:
+        g, c = (int(x) for x in entry.split(":"))
+        sp = dataclasses.replace(flat.sparse, group_pages=g, candidate_groups=c)
+        two = dataclasses.replace(flat, sparse=sp)
+        _, r_two = lab.rollout(two, 0, args.prompts, jax.random.key(0), forced=r.tokens)
+        assert np.array_equal(r_two.tokens, r.tokens)
+        on_two, _, _ = lab.analyse(r.replace(page_ids=r_two.page_ids), two)
+        ids_two = {i: np.asarray(x) for i, x in r_two.page_ids.items()}
+        row = {
+            "group_pages": g,
+            "candidate_groups": c,
+            "page_overlap": _page_overlap(r.page_ids, r_two.page_ids, mask),
+            "kl_mean": on_two["kl_mean"],
+            "hit_rate": _all_hit(mechanism.hits(steps, ids_two, flat.page_size)),
+        }
+        print(f"[selection] {entry}: {row}", flush=True)
+        rows.append(row)
+        save(result)
+    return result
+
+
 def main(argv: list[str]) -> int:
     path, overrides, rest = cli.split_config_args(argv)
     p = cli.ArgumentParser(prog="mechanism.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("command", choices=("lookups", "distill"))
+    p.add_argument("command", choices=("lookups", "distill", "selection"))
     p.add_argument("--workdir", required=True, help="run directory with a finished SFT")
     p.add_argument("--out", default=None, help="JSON output (default <workdir>/mechanism/)")
     p.add_argument("--prompts", type=int, default=8, help="prompts per rollout batch")
     p.add_argument("--budgets", type=_ints, default=[6, 8, 12], help="lookups: budgets")
-    p.add_argument("--budget", type=int, default=8, help="distill: the actor's budget")
+    p.add_argument("--budget", type=int, default=8, help="distill, selection: the budget")
+    p.add_argument(
+        "--groups",
+        type=lambda s: s.split(","),
+        default=["4:5", "4:8", "2:8"],
+        help="selection: group_pages:candidate_groups per two-level setting",
+    )
     p.add_argument("--kls", type=lambda s: s.split(","), default=["k3", "exact_reverse"])
     p.add_argument("--lrs", type=_floats, default=[1e-3, 1e-2], help="LoRA learning rates")
     p.add_argument("--steps", type=int, default=100, help="phi steps per (kl, lr)")
@@ -391,7 +461,9 @@ def main(argv: list[str]) -> int:
     lab = Lab(config, args.workdir)
     out = args.out or os.path.join(args.workdir, "mechanism", f"{args.command}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    command = cmd_lookups if args.command == "lookups" else cmd_distill
+    command = {"lookups": cmd_lookups, "distill": cmd_distill, "selection": cmd_selection}[
+        args.command
+    ]
 
     def save(result: dict, done: bool = False):
         """Write the JSON so far (after every budget or (kl, lr) run: a crash keeps them)."""

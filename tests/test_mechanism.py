@@ -101,8 +101,9 @@ def test_hits_and_splits():
 
 @pytest.mark.slow
 def test_mechanism_script_end_to_end(tmp_path):
-    """launch/mechanism.py on a 2-step SFT of a tiny mini-preset model: both commands run
-    and write their JSON (lookups per budget; distill curves and the selection effect)."""
+    """launch/mechanism.py on a 2-step SFT of a tiny mini-preset model: every command runs
+    and writes its JSON (lookups per budget; distill curves and the selection effect;
+    two-level selection against the flat one)."""
     tiny = [
         "--config.model.preset=mini",
         "--config.model.d_model=32",
@@ -153,3 +154,12 @@ def test_mechanism_script_end_to_end(tmp_path):
     assert out["complete"] is True
     sel = out["runs"][0]["selection"]
     assert 0 <= sel["page_overlap"] <= 1 and sel["kl_phi_on_own_pages"] >= 0
+    # Two-level selection on the flat actor's prefixes: candidates covering every page
+    # (64 groups) read the flat pages exactly (overlap 1, the same KL to 1e-6).
+    p = run("mechanism.py", "selection", f"--workdir={w}", "--budget=3", "--groups=2:3,2:64")
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.load(open(os.path.join(w, "mechanism", "selection.json")))
+    assert out["complete"] is True and len(out["rows"]) == 2
+    assert 0 <= out["rows"][0]["page_overlap"] <= 1
+    assert out["rows"][1]["page_overlap"] == 1.0
+    assert abs(out["rows"][1]["kl_mean"] - out["flat"]["kl_mean"]) < 1e-6

@@ -11,6 +11,8 @@ what the method says, and sparse is really sparse.
     stay dense, SparseSpec validation;
 (e) a decode cache that grows through several buffers (SamplingConfig.grow_buffer_from)
     gives the fixed-buffer rollout, dense and sparse.
+Two-level selection (SparseSpec.group_pages) runs through (a), (d) and (e) here; its
+selection and summaries are checked against numpy in test_two_level_selection.py.
 Tiny shapes (page_size 4 or 8) keep it fast; every rollout asks for top_logprobs=vocab,
 i.e. the whole log-softmax of each decode step.
 """
@@ -138,6 +140,18 @@ SPARSE_CASES = {
         ),
         {3},
     ),
+    # Two-level selection: 2 candidate groups of 2 pages besides the 3 reserved ones, out
+    # of up to 6 groups: the candidates do not cover the context.
+    "distillsparse_two_level_kv2": (
+        2,
+        AttentionSpec(
+            page_size=4,
+            sparse=SparseSpec(
+                "distillsparse", budget=5, dense_layers=1, group_pages=2, candidate_groups=4
+            ),
+        ),
+        {1, 3},
+    ),
     "streaming_kv4": (
         4,
         AttentionSpec(page_size=8, sparse=SparseSpec("streaming", budget=3, dense_layers=1)),
@@ -242,7 +256,9 @@ def test_forced_replay_reproduces_the_rollout():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["dense", "distillsparse_kv1", "quest_schedule_kv2"])
+@pytest.mark.parametrize(
+    "case", ["dense", "distillsparse_kv1", "quest_schedule_kv2", "distillsparse_two_level_kv2"]
+)
 def test_growing_cache_buffer_changes_nothing(case):
     """A rollout whose decode cache grows through 4 buffers (sampler.buffer_schedule) is the
     fixed-buffer rollout: same tokens and page records, step distributions within 1e-5, and

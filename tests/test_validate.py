@@ -35,6 +35,7 @@ CASES = [
     ("sparse.recent_pages", 0, "must be a positive integer"),
     ("sparse.dense_layers", 5, "must be <= the model's 4 layers"),
     ("sparse.dense_layers", -1, "must be an integer >= 0"),
+    ("sparse.group_pages", 1, "must be 0 (flat selection) or an integer >= 2"),
     # learning rates (and gradient clips) finite and positive
     ("rl.learning_rate", 0.0, "must be finite and > 0"),
     ("rl.learning_rate", -1e-4, "must be finite and > 0"),

@@ -33,7 +33,9 @@ def init_layer_cache(
     if spec.is_sparse_layer(layer):
         num_pages = max_len // spec.page_size
         cache.update(
-            selection.init_summaries(spec.sparse.policy, batch, kv_heads, num_pages, head_dim)
+            selection.init_summaries(
+                spec.sparse.policy, batch, kv_heads, num_pages, head_dim, spec.sparse.group_pages
+            )
         )
     return cache
 
@@ -52,7 +54,12 @@ def write_prefill(
     if spec.is_sparse_layer(layer):
         new.update(
             selection.summarize_prefill(
-                spec.sparse.policy, new, k_BxKxTxH, lengths_B, spec.page_size
+                spec.sparse.policy,
+                new,
+                k_BxKxTxH,
+                lengths_B,
+                spec.page_size,
+                spec.sparse.group_pages,
             )
         )
     return new
@@ -68,7 +75,9 @@ def write_decode(
     new["v"] = cache["v"].at[rows, :, pos_B].set(v_BxKxH.astype(cache["v"].dtype))
     if spec.is_sparse_layer(layer):
         new.update(
-            selection.summarize_decode(spec.sparse.policy, cache, k_BxKxH, pos_B, spec.page_size)
+            selection.summarize_decode(
+                spec.sparse.policy, cache, k_BxKxH, pos_B, spec.page_size, spec.sparse.group_pages
+            )
         )
     return new
 
@@ -97,21 +106,29 @@ def refresh_summaries(
     new = dict(cache)
     new.update(
         selection.summarize_pages(
-            spec.sparse.policy, cache, first_pos_B, num_pos, length_B, spec.page_size
+            spec.sparse.policy,
+            cache,
+            first_pos_B,
+            num_pos,
+            length_B,
+            spec.page_size,
+            spec.sparse.group_pages,
         )
     )
     return new
 
 
-def grow_layer_cache(cache: dict, max_len: int, page_size: int) -> dict:
+def grow_layer_cache(cache: dict, max_len: int, page_size: int, group_pages: int = 0) -> dict:
     """The same cache in a longer buffer of max_len positions: keys and values padded along
-    the position axis, page summaries along the page axis, with the zeros init_layer_cache
-    starts from (positions past a sequence's end are never read)."""
+    the position axis, page (group) summaries along the page (group) axis, with the zeros
+    init_layer_cache starts from (positions past a sequence's end are never read)."""
     if max_len % page_size:
         raise ValueError(f"cache length {max_len} must be a multiple of the page size {page_size}")
     new = {}
     for name, x in cache.items():
         target = max_len if name in ("k", "v") else max_len // page_size
+        if name.endswith(selection.GROUP):
+            target = selection.num_groups(target, group_pages)
         if target < x.shape[2]:
             raise ValueError(f"cannot shrink cache entry {name!r} from {x.shape[2]} to {target}")
         new[name] = jnp.pad(x, ((0, 0), (0, 0), (0, target - x.shape[2]), (0, 0)))

@@ -51,13 +51,24 @@ class PageRecord:
 
 
 # ----------------------------------------------------------------------------- summaries
-def init_summaries(policy: str, batch: int, kv_heads: int, num_pages: int, head_dim: int) -> dict:
-    shape = (batch, kv_heads, num_pages, head_dim)
-    if policy == "distillsparse":
-        return {"ksum": jnp.zeros(shape, jnp.float32)}
-    if policy == "quest":
-        return {"kmin": jnp.zeros(shape, jnp.float32), "kmax": jnp.zeros(shape, jnp.float32)}
-    return {}
+GROUP = "_group"  # suffix of the group-level summaries (two-level selection)
+
+
+def num_groups(num_pages: int, group_pages: int) -> int:
+    """Groups of group_pages consecutive pages covering num_pages pages (the last may be partial)."""
+    return -(-num_pages // group_pages)
+
+
+def init_summaries(
+    policy: str, batch: int, kv_heads: int, num_pages: int, head_dim: int, group_pages: int = 0
+) -> dict:
+    """Zero summaries of every page; with group_pages > 0 also of every group of pages."""
+    names = {"distillsparse": ("ksum",), "quest": ("kmin", "kmax")}.get(policy, ())
+    out = {name: jnp.zeros((batch, kv_heads, num_pages, head_dim), jnp.float32) for name in names}
+    if group_pages:
+        shape = (batch, kv_heads, num_groups(num_pages, group_pages), head_dim)
+        out.update({name + GROUP: jnp.zeros(shape, jnp.float32) for name in names})
+    return out
 
 
 def _page_summaries(policy: str, k_BxKxPxSxH, valid) -> dict:
@@ -71,26 +82,57 @@ def _page_summaries(policy: str, k_BxKxPxSxH, valid) -> dict:
     return {"kmin": jnp.where(any_valid, kmin, 0), "kmax": jnp.where(any_valid, kmax, 0)}
 
 
-def summarize_prefill(policy: str, cache: dict, k_BxKxTxH, lengths_B, page_size: int) -> dict:
-    """Page summaries of a right-padded prompt batch (positions >= length ignored)."""
+def _group_summaries(policy: str, pages: dict, page_ok_BxN, group_pages: int) -> dict:
+    """Summaries of groups of group_pages consecutive pages from their pages' summaries
+    ([B, K, N, H] each, N a multiple of group_pages); page_ok_BxN marks the pages that hold
+    a key. The same reduction as _page_summaries one level up (sum, min, max)."""
+    b, kv, n, h = next(iter(pages.values())).shape
+    grouped = lambda x: x.reshape(b, kv, n // group_pages, group_pages, h)
+    ok = grouped(jnp.broadcast_to(page_ok_BxN[:, None, :, None], (b, kv, n, h)))
+    if policy == "distillsparse":
+        return {"ksum" + GROUP: grouped(pages["ksum"]).sum(3)}
+    any_ok = ok.any(3)
+    kmin = jnp.where(ok, grouped(pages["kmin"]), jnp.inf).min(3)
+    kmax = jnp.where(ok, grouped(pages["kmax"]), -jnp.inf).max(3)
+    return {"kmin" + GROUP: jnp.where(any_ok, kmin, 0), "kmax" + GROUP: jnp.where(any_ok, kmax, 0)}
+
+
+def summarize_prefill(
+    policy: str, cache: dict, k_BxKxTxH, lengths_B, page_size: int, group_pages: int = 0
+) -> dict:
+    """Page (and group) summaries of a right-padded prompt batch (positions >= length
+    ignored)."""
     if policy == "streaming":
         return {}
     b, kv, t, h = k_BxKxTxH.shape
-    pad = -t % page_size
+    pad = -t % (page_size * max(group_pages, 1))
     k = jnp.pad(k_BxKxTxH.astype(jnp.float32), ((0, 0), (0, 0), (0, pad), (0, 0)))
     n = (t + pad) // page_size
     k_BxKxPxSxH = k.reshape(b, kv, n, page_size, h)
     valid = (jnp.arange(t + pad) < lengths_B[:, None]).reshape(b, 1, n, page_size, 1)
     pages = _page_summaries(policy, k_BxKxPxSxH, valid)
-    return {name: cache[name].at[:, :, :n].set(x) for name, x in pages.items()}
+    if group_pages:
+        page_ok_BxN = jnp.arange(n)[None] * page_size < lengths_B[:, None]
+        pages.update(_group_summaries(policy, pages, page_ok_BxN, group_pages))
+    out = {}
+    for name, x in pages.items():
+        m = min(x.shape[2], cache[name].shape[2])  # padding to whole groups can pass the buffer
+        out[name] = cache[name].at[:, :, :m].set(x[:, :, :m])
+    return out
 
 
 def summarize_pages(
-    policy: str, cache: dict, first_pos_B, num_pos: int, length_B, page_size: int
+    policy: str,
+    cache: dict,
+    first_pos_B,
+    num_pos: int,
+    length_B,
+    page_size: int,
+    group_pages: int = 0,
 ) -> dict:
-    """Summaries of the pages holding positions [first_pos_B, first_pos_B + num_pos),
-    recomputed from the cache's keys at positions < length_B (a speculative step's
-    rejected entries dropped). Reads those pages only: O(num_pos) keys per row."""
+    """Summaries of the pages (and groups) holding positions [first_pos_B, first_pos_B +
+    num_pos), recomputed from the cache's keys at positions < length_B (a speculative
+    step's rejected entries dropped). Reads those pages only: O(num_pos) keys per row."""
     if policy == "streaming":
         return {}
     b, kv, s, h = cache["k"].shape
@@ -105,32 +147,51 @@ def summarize_pages(
     valid = (pos_BxNxS < length_B[:, None, None])[:, None, :, :, None]
     pages = _page_summaries(policy, k_BxKxNxSxH, valid)
     rows = jnp.arange(b)[:, None]
-    return {
+    out = {
         name: cache[name].at[rows, :, page_BxN].set(x.transpose(0, 2, 1, 3))
         for name, x in pages.items()
     }
+    if group_pages:  # the groups of those pages, from the updated page summaries
+        span = page_size * group_pages
+        m = -(-num_pos // span) + 1
+        group_BxM = jnp.minimum(
+            first_pos_B[:, None] // span + jnp.arange(m)[None],
+            num_groups(num_pages, group_pages) - 1,
+        )
+        page_BxMG = (group_BxM[:, :, None] * group_pages + jnp.arange(group_pages)).reshape(b, -1)
+        page_ok_BxMG = (page_BxMG < num_pages) & (page_BxMG * page_size < length_B[:, None])
+        page_BxMG = jnp.minimum(page_BxMG, num_pages - 1)
+        members = {name: out[name][rows, :, page_BxMG].transpose(0, 2, 1, 3) for name in pages}
+        groups = _group_summaries(policy, members, page_ok_BxMG, group_pages)
+        out.update(
+            {
+                name: cache[name].at[rows, :, group_BxM].set(x.transpose(0, 2, 1, 3))
+                for name, x in groups.items()
+            }
+        )
+    return out
 
 
-def summarize_decode(policy: str, cache: dict, k_BxKxH, pos_B, page_size: int) -> dict:
-    """Adds one key per sequence (at position pos_B) to its page's summary."""
+def summarize_decode(
+    policy: str, cache: dict, k_BxKxH, pos_B, page_size: int, group_pages: int = 0
+) -> dict:
+    """Adds one key per sequence (at position pos_B) to its page's (and group's) summary."""
     rows = jnp.arange(k_BxKxH.shape[0])
-    page_B = pos_B // page_size
     k = k_BxKxH.astype(jnp.float32)
-    if policy == "distillsparse":
-        return {"ksum": cache["ksum"].at[rows, :, page_B].add(k)}
-    if policy == "quest":
-        first = (pos_B % page_size == 0)[:, None, None]  # a new page starts: reset
-        old_min = cache["kmin"][rows, :, page_B]
-        old_max = cache["kmax"][rows, :, page_B]
-        return {
-            "kmin": cache["kmin"]
-            .at[rows, :, page_B]
-            .set(jnp.where(first, k, jnp.minimum(old_min, k))),
-            "kmax": cache["kmax"]
-            .at[rows, :, page_B]
-            .set(jnp.where(first, k, jnp.maximum(old_max, k))),
-        }
-    return {}
+    levels = [("", page_size)] + ([(GROUP, page_size * group_pages)] if group_pages else [])
+    out = {}
+    for suffix, span in levels:
+        unit_B = pos_B // span
+        if policy == "distillsparse":
+            out["ksum" + suffix] = cache["ksum" + suffix].at[rows, :, unit_B].add(k)
+        elif policy == "quest":
+            first = (pos_B % span == 0)[:, None, None]  # a new page (group) starts: reset
+            for name, fold in (("kmin", jnp.minimum), ("kmax", jnp.maximum)):
+                old = cache[name + suffix][rows, :, unit_B]
+                out[name + suffix] = (
+                    cache[name + suffix].at[rows, :, unit_B].set(jnp.where(first, k, fold(old, k)))
+                )
+    return out
 
 
 # ----------------------------------------------------------------------------- selection
@@ -144,22 +205,64 @@ def budget_for(spec: SparseSpec, context_len_B):
     return pages[jnp.minimum(idx, len(spec.budget_schedule) - 1)]
 
 
-def page_scores(policy: str, summaries: dict, q_BxKxGxH, pos_B, page_size: int):
-    """Selection score of every page, [B, K, num_pages] f32 (higher = more relevant)."""
-    q = q_BxKxGxH.astype(jnp.float32).mean(2)  # average over the GQA group
+def _scores(policy: str, summaries: dict, q_BxKxH, pos_B, span: int, suffix: str, unit_BxKxN):
+    """Scores of the units (pages, or groups with suffix GROUP) unit_BxKxN (None: every
+    unit, read in place), each covering `span` positions. [B, K, N] f32."""
+    names = {"distillsparse": ("ksum",), "quest": ("kmin", "kmax")}[policy]
+    x = {name: summaries[name + suffix] for name in names}
+    if unit_BxKxN is not None:  # gather the units' summary rows
+        x = {
+            name: jnp.take_along_axis(s, unit_BxKxN[..., None], axis=2, mode="clip")
+            for name, s in x.items()
+        }
+        start = unit_BxKxN * span
+    else:
+        start = (jnp.arange(x[names[0]].shape[2]) * span)[None, None]
     if policy == "distillsparse":
-        ksum = summaries["ksum"]
-        num_pages = ksum.shape[2]
-        start = jnp.arange(num_pages) * page_size
-        count = jnp.clip(pos_B[:, None] + 1 - start[None], 1, page_size)  # [B, P]
-        return jnp.einsum("bkh,bkph->bkp", q, ksum) / count[:, None, :]
-    if policy == "quest":
-        # sum_i max(q_i m_i, q_i M_i) with m <= M is sum_i (q_i > 0 ? q_i M_i : q_i m_i):
-        # the same products, as two dot products instead of two [B, K, P, H] temporaries.
-        return jnp.einsum("bkh,bkph->bkp", jnp.maximum(q, 0.0), summaries["kmax"]) + jnp.einsum(
-            "bkh,bkph->bkp", jnp.minimum(q, 0.0), summaries["kmin"]
-        )
-    raise ValueError(f"policy {policy!r} has no page scores")
+        count = jnp.clip(pos_B[:, None, None] + 1 - start, 1, span)  # keys in the unit
+        return jnp.einsum("bkh,bknh->bkn", q_BxKxH, x["ksum"]) / count
+    # sum_i max(q_i m_i, q_i M_i) with m <= M is sum_i (q_i > 0 ? q_i M_i : q_i m_i):
+    # the same products, as two dot products instead of two [B, K, N, H] temporaries.
+    return jnp.einsum("bkh,bknh->bkn", jnp.maximum(q_BxKxH, 0.0), x["kmax"]) + jnp.einsum(
+        "bkh,bknh->bkn", jnp.minimum(q_BxKxH, 0.0), x["kmin"]
+    )
+
+
+def page_scores(policy: str, summaries: dict, q_BxKxGxH, pos_B, page_size: int, pages=None):
+    """Selection score of every page (or of the pages [B, K, N] given), [B, K, N] f32
+    (higher = more relevant)."""
+    if policy not in ("distillsparse", "quest"):
+        raise ValueError(f"policy {policy!r} has no page scores")
+    q = q_BxKxGxH.astype(jnp.float32).mean(2)  # average over the GQA group
+    return _scores(policy, summaries, q, pos_B, page_size, "", pages)
+
+
+def _reserved(spec: SparseSpec, first_BxKxN, last_BxKxN, cur_B):
+    """Units spanning pages [first, last] that hold a reserved page (sink or recent)."""
+    cur = cur_B[:, None, None]
+    return (first_BxKxN < spec.sink_pages) | (
+        (last_BxKxN > cur - spec.recent_pages) & (first_BxKxN <= cur)
+    )
+
+
+def candidate_pages(spec: SparseSpec, summaries: dict, q_BxKxGxH, pos_B, page_size: int):
+    """Two-level selection's first level: the pages of the spec.candidate_groups
+    best-scoring groups of spec.group_pages pages, int32 [B, K, candidate_groups *
+    group_pages] in increasing page order (so the page level breaks ties as a flat top-k
+    does). Groups holding a reserved page always count among them; ids past the buffer
+    belong to no existing page (the caller masks them)."""
+    g = spec.group_pages
+    num = summaries[next(n for n in summaries if n.endswith(GROUP))].shape[2]
+    q = q_BxKxGxH.astype(jnp.float32).mean(2)
+    scores = _scores(spec.policy, summaries, q, pos_B, page_size * g, GROUP, None)
+    first = (jnp.arange(num) * g)[None, None]
+    cur_B = pos_B // page_size
+    scores = jnp.where(_reserved(spec, first, first + g - 1, cur_B), jnp.inf, scores)
+    scores = jnp.where(first <= cur_B[:, None, None], scores, -jnp.inf)
+    _, group_BxKxC = jax.lax.top_k(scores, min(spec.candidate_groups, num))
+    group_BxKxC = jnp.sort(group_BxKxC, axis=-1)
+    b, kv, c = group_BxKxC.shape
+    return (group_BxKxC[..., None] * g + jnp.arange(g, dtype=jnp.int32)).reshape(b, kv, c * g)
 
 
 def select_pages(
@@ -170,19 +273,24 @@ def select_pages(
     Returns int32 [B, K, spec.max_pages]: reserved pages first, then the top-scoring ones in
     decreasing score; slots past the budget (or past the number of existing pages) hold
     NO_PAGE. When the budget covers every existing page, every page is selected.
+    spec.group_pages > 0: the top-scoring pages among candidate_pages' (two-level
+    selection; the same as the flat one when the candidates hold every page).
     """
     kv = q_BxKxGxH.shape[1]
     cur_B = pos_B // page_size
     if spec.policy == "streaming":
         return _streaming_pages(spec, pos_B, page_size, kv, num_pages)
-    page = jnp.arange(num_pages)[None, :]
-    exists = page <= cur_B[:, None]
-    reserved = (page < spec.sink_pages) | (page > cur_B[:, None] - spec.recent_pages)
-    scores = page_scores(spec.policy, summaries, q_BxKxGxH, pos_B, page_size)
-    scores = jnp.where(reserved[:, None], jnp.inf, scores)
-    scores = jnp.where(exists[:, None], scores, -jnp.inf)
-    k = min(spec.max_pages, num_pages)
-    _, ids = jax.lax.top_k(scores, k)
+    if spec.group_pages:
+        page = candidate_pages(spec, summaries, q_BxKxGxH, pos_B, page_size)
+        scores = page_scores(spec.policy, summaries, q_BxKxGxH, pos_B, page_size, page)
+    else:
+        page = jnp.arange(num_pages)[None, None, :]
+        scores = page_scores(spec.policy, summaries, q_BxKxGxH, pos_B, page_size)
+    scores = jnp.where(_reserved(spec, page, page, cur_B), jnp.inf, scores)
+    scores = jnp.where(page <= cur_B[:, None, None], scores, -jnp.inf)
+    k = min(spec.max_pages, scores.shape[-1])
+    _, slot_ids = jax.lax.top_k(scores, k)
+    ids = slot_ids if not spec.group_pages else jnp.take_along_axis(page, slot_ids, axis=-1)
     n_read = jnp.minimum(budget_for(spec, pos_B + 1), cur_B + 1)  # [B]
     slot = jnp.arange(k)[None, None, :]
     ids = jnp.where(slot < n_read[:, None, None], ids, NO_PAGE).astype(jnp.int32)

@@ -43,6 +43,15 @@ def interpret_mode() -> bool:
     return target_platform() != "tpu"
 
 
+def min_candidate_groups(group_pages: int, budget: int, sink_pages: int, recent_pages: int):
+    """Fewest candidate groups with which two-level selection reads every reserved page and
+    can fill the budget: the groups the sink pages and the run of recent pages can span,
+    plus whole groups for the other budget pages."""
+    g = group_pages
+    reserved_groups = -(-sink_pages // g) + (-(-(recent_pages - 1) // g) + 1)
+    return reserved_groups + -(-(budget - sink_pages - recent_pages) // g)
+
+
 @dataclasses.dataclass(frozen=True)
 class SparseSpec:
     """Block-sparse decode: each step reads `budget` KV pages per (sequence, KV head).
@@ -51,6 +60,12 @@ class SparseSpec:
     budget_schedule: optional ((context_upper_bound, pages), ...) sorted by bound; the
     first bin whose bound is >= the context length gives the budget, past the last bin the
     last entry's pages apply (Sparrow's length-dependent budgets).
+    group_pages: 0 selects the top pages among all of them (exact). G > 0: two-level
+    selection, which reads O(pages / G + candidate_groups * G) summaries per step instead
+    of O(pages): groups of G consecutive pages are scored from group summaries first, and
+    the budget is filled from the pages of the candidate_groups best groups (those holding
+    reserved pages among them). Equal to the flat selection while the candidates cover
+    every page; past that an approximation of it (docs/benchmarks.md).
     """
 
     policy: str = "distillsparse"
@@ -59,6 +74,8 @@ class SparseSpec:
     sink_pages: int = 1
     recent_pages: int = 2
     dense_layers: int = 2
+    group_pages: int = 0
+    candidate_groups: int = 16
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -73,6 +90,18 @@ class SparseSpec:
             raise ValueError("SparseSpec.recent_pages must be >= 1 (the current page)")
         if self.dense_layers < 0:
             raise ValueError("SparseSpec.dense_layers must be >= 0")
+        if self.group_pages < 0 or self.group_pages == 1:
+            raise ValueError("SparseSpec.group_pages must be 0 (flat selection) or >= 2")
+        if self.group_pages and self.policy == "streaming":
+            raise ValueError("SparseSpec.group_pages applies to scored policies, not streaming")
+        need = self.group_pages and min_candidate_groups(
+            self.group_pages, self.max_pages, self.sink_pages, self.recent_pages
+        )
+        if self.candidate_groups < need:
+            raise ValueError(
+                f"SparseSpec.candidate_groups ({self.candidate_groups}) must be >= {need}: the "
+                "groups that can hold reserved pages plus enough whole groups for the budget"
+            )
         bounds = [b for b, _ in self.budget_schedule]
         if bounds != sorted(bounds):
             raise ValueError("SparseSpec.budget_schedule bounds must be increasing")

@@ -209,6 +209,10 @@ def defaults() -> ml_collections.ConfigDict:
     c.sparse.dense_layers = 2  # the first layers stay dense (global layers past are sparse)
     c.sparse.sink_pages = 1
     c.sparse.recent_pages = 2
+    # Two-level selection (long contexts): 0 scores every page; G >= 2 scores groups of G
+    # pages first and picks the budget among the pages of the candidate_groups best groups.
+    c.sparse.group_pages = 0
+    c.sparse.candidate_groups = 16
 
     # LoRA delta tree phi of the sparse actor (distillsparse only).
     c.lora = ml_collections.ConfigDict()

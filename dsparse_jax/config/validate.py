@@ -14,7 +14,7 @@ import os
 import re
 
 from dsparse_jax.attention import api
-from dsparse_jax.attention.spec import IMPLS, POLICIES
+from dsparse_jax.attention.spec import IMPLS, POLICIES, min_candidate_groups
 from dsparse_jax.config import schema
 from dsparse_jax.errors import UserError
 from dsparse_jax.model.config import PRESETS
@@ -384,6 +384,20 @@ def _validate_modes(c) -> None:
         "sparse.budget",
         f"must be >= sink_pages + recent_pages ({s.sink_pages + s.recent_pages})",
     )
+    _check(
+        isinstance(s.group_pages, int) and (s.group_pages == 0 or s.group_pages >= 2),
+        "sparse.group_pages",
+        "must be 0 (flat selection) or an integer >= 2",
+    )
+    if s.group_pages:
+        _check(s.policy != "streaming", "sparse.group_pages", "needs a scored policy")
+        need = min_candidate_groups(s.group_pages, s.budget, s.sink_pages, s.recent_pages)
+        _check(
+            isinstance(s.candidate_groups, int) and s.candidate_groups >= need,
+            "sparse.candidate_groups",
+            f"must be >= {need}: the groups that can hold reserved pages plus enough whole "
+            f"groups of {s.group_pages} pages for the budget",
+        )
     _positive_int(c, "lora.rank")
     _check(c.lora.alpha > 0, "lora.alpha", "must be > 0")
     targets = parse_targets(c.lora.targets)

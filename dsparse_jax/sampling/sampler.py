@@ -420,8 +420,10 @@ class Sampler:
                 state = prune_at(state, i)
             elif i + 1 < len(sizes):  # move the cache into the next buffer
                 step, rs = state
+                group_pages = spec.sparse.group_pages if spec.sparse else 0
                 caches = [
-                    kv_cache.grow_layer_cache(c, sizes[i + 1], spec.page_size) for c in rs["caches"]
+                    kv_cache.grow_layer_cache(c, sizes[i + 1], spec.page_size, group_pages)
+                    for c in rs["caches"]
                 ]
                 state = (step, dict(rs, caches=sharding.constrain_cache(caches)))
         rs = state[1]

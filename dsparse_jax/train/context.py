@@ -185,6 +185,8 @@ def sparse_spec(config) -> SparseSpec:
         sink_pages=s.sink_pages,
         recent_pages=s.recent_pages,
         dense_layers=s.dense_layers,
+        group_pages=s.group_pages,
+        candidate_groups=s.candidate_groups,
     )
 
 
