@@ -537,7 +537,7 @@ def summarize(args, throughput, steps):
     def target(ctx, threshold, kind):
         res = {}
         for r in out["step_ratios"]:
-            if r["context"] != ctx or not r["config"].endswith(":0"):
+            if r["context"] != ctx or r["config"].split(":")[1:2] != ["0"]:  # all sparse
                 continue
             if kind == "speedup" and "decode_speedup_vs_dense" in r:
                 res[r["config"]] = {

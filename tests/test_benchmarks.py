@@ -81,3 +81,13 @@ def test_bench_rollout_reports_every_part(tmp_path, capsys):
     assert set(twin) == {"dense", "distillsparse:0"}
     assert twin["distillsparse:0"]["twin_over_dense"] > 0
     assert all(r["temp_bytes"] > 0 for r in twin.values())
+
+
+def test_bench_rollout_config_names():
+    """ "<policy>:<dense_layers>[:g<G>c<C>]" names parse to the spec they describe."""
+    spec_for = _load_bench().spec_for
+    assert spec_for("dense", 32, 16).sparse is None
+    sp = spec_for("quest:2", 32, 16).sparse
+    assert (sp.policy, sp.dense_layers, sp.group_pages) == ("quest", 2, 0)
+    sp = spec_for("distillsparse:0:g16c8", 32, 16).sparse
+    assert (sp.dense_layers, sp.group_pages, sp.candidate_groups) == (0, 16, 8)
