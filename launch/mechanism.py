@@ -404,6 +404,14 @@ def cmd_selection(lab: Lab, args, save) -> dict:
     from dsparse_jax.report import mechanism
 
     flat = lab.spec(args.budget)
+    two_level = {}  # "G:C" -> spec, every entry checked before the first rollout
+    for entry in args.groups:
+        try:
+            g, c = (int(x) for x in entry.split(":"))
+            sp = dataclasses.replace(flat.sparse, group_pages=g, candidate_groups=c)
+        except ValueError as e:
+            raise UserError(f"--groups: {entry!r}: {e}") from None
+        two_level[entry] = dataclasses.replace(flat, sparse=sp)
     _, r = lab.rollout(flat, 0, args.prompts, jax.random.key(lab.config.seed + 31))
     mask = np.asarray(r.completion_mask) > 0
     base, steps, hit_flat = lab.analyse(r, flat)
@@ -415,17 +423,14 @@ def cmd_selection(lab: Lab, args, save) -> dict:
         "flat": {"kl_mean": base["kl_mean"], "hit_rate": _all_hit(hit_flat)},
         "rows": rows,
     }
-    for entry in args.groups:
-        g, c = (int(x) for x in entry.split(":"))
-        sp = dataclasses.replace(flat.sparse, group_pages=g, candidate_groups=c)
-        two = dataclasses.replace(flat, sparse=sp)
+    for entry, two in two_level.items():
         _, r_two = lab.rollout(two, 0, args.prompts, jax.random.key(0), forced=r.tokens)
         assert np.array_equal(r_two.tokens, r.tokens)
         on_two, _, _ = lab.analyse(r.replace(page_ids=r_two.page_ids), two)
         ids_two = {i: np.asarray(x) for i, x in r_two.page_ids.items()}
         row = {
-            "group_pages": g,
-            "candidate_groups": c,
+            "group_pages": two.sparse.group_pages,
+            "candidate_groups": two.sparse.candidate_groups,
             "page_overlap": _page_overlap(r.page_ids, r_two.page_ids, mask),
             "kl_mean": on_two["kl_mean"],
             "hit_rate": _all_hit(mechanism.hits(steps, ids_two, flat.page_size)),

@@ -156,6 +156,8 @@ def test_mechanism_script_end_to_end(tmp_path):
     assert 0 <= sel["page_overlap"] <= 1 and sel["kl_phi_on_own_pages"] >= 0
     # Two-level selection on the flat actor's prefixes: candidates covering every page
     # (64 groups) read the flat pages exactly (overlap 1, the same KL to 1e-6).
+    p = run("mechanism.py", "selection", f"--workdir={w}", "--budget=3", "--groups=2:64,2:1")
+    assert p.returncode == 2 and "--groups: '2:1'" in p.stderr.strip().splitlines()[-1]
     p = run("mechanism.py", "selection", f"--workdir={w}", "--budget=3", "--groups=2:3,2:64")
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.load(open(os.path.join(w, "mechanism", "selection.json")))

@@ -51,6 +51,7 @@ class PageRecord:
 
 
 # ----------------------------------------------------------------------------- summaries
+SUMMARY_NAMES = {"distillsparse": ("ksum",), "quest": ("kmin", "kmax")}  # per scored policy
 GROUP = "_group"  # suffix of the group-level summaries (two-level selection)
 
 
@@ -63,7 +64,7 @@ def init_summaries(
     policy: str, batch: int, kv_heads: int, num_pages: int, head_dim: int, group_pages: int = 0
 ) -> dict:
     """Zero summaries of every page; with group_pages > 0 also of every group of pages."""
-    names = {"distillsparse": ("ksum",), "quest": ("kmin", "kmax")}.get(policy, ())
+    names = SUMMARY_NAMES.get(policy, ())
     out = {name: jnp.zeros((batch, kv_heads, num_pages, head_dim), jnp.float32) for name in names}
     if group_pages:
         shape = (batch, kv_heads, num_groups(num_pages, group_pages), head_dim)
@@ -205,10 +206,13 @@ def budget_for(spec: SparseSpec, context_len_B):
     return pages[jnp.minimum(idx, len(spec.budget_schedule) - 1)]
 
 
-def _scores(policy: str, summaries: dict, q_BxKxH, pos_B, span: int, suffix: str, unit_BxKxN):
-    """Scores of the units (pages, or groups with suffix GROUP) unit_BxKxN (None: every
-    unit, read in place), each covering `span` positions. [B, K, N] f32."""
-    names = {"distillsparse": ("ksum",), "quest": ("kmin", "kmax")}[policy]
+def _scores(
+    policy: str, summaries: dict, q_BxKxH, pos_B, span: int, suffix: str = "", unit_BxKxN=None
+):
+    """Selection scores (higher = more relevant), [B, K, N] f32, of the units (pages, or
+    groups with suffix GROUP) unit_BxKxN (None: every unit, read in place), each covering
+    `span` positions. q_BxKxH: the query averaged over its GQA group."""
+    names = SUMMARY_NAMES[policy]
     x = {name: summaries[name + suffix] for name in names}
     if unit_BxKxN is not None:  # gather the units' summary rows
         x = {
@@ -228,15 +232,6 @@ def _scores(policy: str, summaries: dict, q_BxKxH, pos_B, span: int, suffix: str
     )
 
 
-def page_scores(policy: str, summaries: dict, q_BxKxGxH, pos_B, page_size: int, pages=None):
-    """Selection score of every page (or of the pages [B, K, N] given), [B, K, N] f32
-    (higher = more relevant)."""
-    if policy not in ("distillsparse", "quest"):
-        raise ValueError(f"policy {policy!r} has no page scores")
-    q = q_BxKxGxH.astype(jnp.float32).mean(2)  # average over the GQA group
-    return _scores(policy, summaries, q, pos_B, page_size, "", pages)
-
-
 def _reserved(spec: SparseSpec, first_BxKxN, last_BxKxN, cur_B):
     """Units spanning pages [first, last] that hold a reserved page (sink or recent)."""
     cur = cur_B[:, None, None]
@@ -245,16 +240,15 @@ def _reserved(spec: SparseSpec, first_BxKxN, last_BxKxN, cur_B):
     )
 
 
-def candidate_pages(spec: SparseSpec, summaries: dict, q_BxKxGxH, pos_B, page_size: int):
+def candidate_pages(spec: SparseSpec, summaries: dict, q_BxKxH, pos_B, page_size: int):
     """Two-level selection's first level: the pages of the spec.candidate_groups
     best-scoring groups of spec.group_pages pages, int32 [B, K, candidate_groups *
     group_pages] in increasing page order (so the page level breaks ties as a flat top-k
     does). Groups holding a reserved page always count among them; ids past the buffer
     belong to no existing page (the caller masks them)."""
     g = spec.group_pages
-    num = summaries[next(n for n in summaries if n.endswith(GROUP))].shape[2]
-    q = q_BxKxGxH.astype(jnp.float32).mean(2)
-    scores = _scores(spec.policy, summaries, q, pos_B, page_size * g, GROUP, None)
+    num = summaries[SUMMARY_NAMES[spec.policy][0] + GROUP].shape[2]
+    scores = _scores(spec.policy, summaries, q_BxKxH, pos_B, page_size * g, GROUP)
     first = (jnp.arange(num) * g)[None, None]
     cur_B = pos_B // page_size
     scores = jnp.where(_reserved(spec, first, first + g - 1, cur_B), jnp.inf, scores)
@@ -280,12 +274,13 @@ def select_pages(
     cur_B = pos_B // page_size
     if spec.policy == "streaming":
         return _streaming_pages(spec, pos_B, page_size, kv, num_pages)
+    q_BxKxH = q_BxKxGxH.astype(jnp.float32).mean(2)  # average over the GQA group
     if spec.group_pages:
-        page = candidate_pages(spec, summaries, q_BxKxGxH, pos_B, page_size)
-        scores = page_scores(spec.policy, summaries, q_BxKxGxH, pos_B, page_size, page)
+        page = candidate_pages(spec, summaries, q_BxKxH, pos_B, page_size)
+        scores = _scores(spec.policy, summaries, q_BxKxH, pos_B, page_size, unit_BxKxN=page)
     else:
         page = jnp.arange(num_pages)[None, None, :]
-        scores = page_scores(spec.policy, summaries, q_BxKxGxH, pos_B, page_size)
+        scores = _scores(spec.policy, summaries, q_BxKxH, pos_B, page_size)
     scores = jnp.where(_reserved(spec, page, page, cur_B), jnp.inf, scores)
     scores = jnp.where(page <= cur_B[:, None, None], scores, -jnp.inf)
     k = min(spec.max_pages, scores.shape[-1])
