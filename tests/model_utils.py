@@ -1,4 +1,5 @@
-"""Shared test helper: random model weights drawn with numpy (no eager-init compiles)."""
+"""Shared test helpers: random model weights drawn with numpy (no eager-init compiles),
+an attention's output and gradients compiled as one program."""
 
 import math
 
@@ -30,3 +31,12 @@ def random_params(cfg, seed=0, *, model_cls=Transformer, embed_std=1.0, norm_sca
 
     nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(init, nnx.to_pure_dict(state)))
     return graphdef, state
+
+
+def out_and_grads(attention, q, k, v, weight=1.0):
+    """(attention(q, k, v) * weight, gradients of sum(sin(that)) by q, k and v), compiled
+    as one program: run eagerly, every op of a blocked or vmapped attention is compiled
+    and dispatched on its own (hundreds of compiles per test)."""
+    f = lambda q, k, v: attention(q, k, v) * weight
+    grads = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v))), argnums=(0, 1, 2))
+    return jax.jit(lambda q, k, v: (f(q, k, v), grads(q, k, v)))(q, k, v)

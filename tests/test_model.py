@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from model_utils import out_and_grads
 from model_utils import random_params as _random_params
 
 from dsparse_jax.attention import dense
@@ -258,14 +259,6 @@ def test_attention_logit_softcap_and_gqa(kv):
     assert dense.softcap(3.0, None) == 3.0
 
 
-def _out_and_grads(attention, layer, q, k, v):
-    """attention's output and the gradients of sum(sin(output)) by q, k and v, compiled
-    as one program (run eagerly, every op of the blocked loops compiled on its own)."""
-    f = lambda q, k, v: attention(q, k, v, layer)
-    grads = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v))), argnums=(0, 1, 2))
-    return jax.jit(lambda q, k, v: (f(q, k, v), grads(q, k, v)))(q, k, v)
-
-
 @pytest.mark.parametrize("t,window,kv", [(17, 4, 1), (40, 8, 2), (40, 3, 4)])
 def test_banded_local_attention_matches_full(t, window, kv):
     """Sliding-window layers over t >= 4 * window run in bands: same outputs as numpy and
@@ -274,11 +267,11 @@ def test_banded_local_attention_matches_full(t, window, kv):
     n, h = 4, 8
     q, k, v = (jnp.asarray(rng.normal(size=(2, t, m, h)), jnp.float32) for m in (n, kv, kv))
     layer = LayerInfo(index=0, window=window, softcap=2.0, scale=0.5)
-    out, g_band = _out_and_grads(dense.sequence_attention, layer, q, k, v)
+    out, g_band = out_and_grads(functools.partial(dense.sequence_attention, layer=layer), q, k, v)
     for row in range(2):
         ref = np_attention(*(np.asarray(x[row], np.float64) for x in (q, k, v)), 0.5, 2.0, window)
         np.testing.assert_allclose(np.asarray(out[row]), ref, atol=1e-5, rtol=0)
-    _, g_full = _out_and_grads(dense._full_attention, layer, q, k, v)
+    _, g_full = out_and_grads(functools.partial(dense._full_attention, layer=layer), q, k, v)
     for a, b in zip(g_band, g_full):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
 
@@ -292,8 +285,8 @@ def test_causal_block_attention_matches_full(t, window):
     rng = np.random.default_rng(t)
     q, k, v = (jnp.asarray(rng.normal(size=(1, t, m, 8)), jnp.float32) for m in (4, 2, 2))
     layer = LayerInfo(index=0, window=window, softcap=2.0, scale=0.5)
-    out, g_block = _out_and_grads(dense.sequence_attention, layer, q, k, v)
-    full, g_full = _out_and_grads(dense._full_attention, layer, q, k, v)
+    out, g_block = out_and_grads(functools.partial(dense.sequence_attention, layer=layer), q, k, v)
+    full, g_full = out_and_grads(functools.partial(dense._full_attention, layer=layer), q, k, v)
     np.testing.assert_allclose(np.asarray(out), np.asarray(full), atol=1e-5, rtol=0)
     for a, b in zip(g_block, g_full):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
