@@ -2,9 +2,9 @@
 non-finite guards, unusable workdirs, rewards on arbitrary text.
 
 The slow tests run the main job (launch/train.py) in subprocesses with the tiniest config
-that exercises distillsparse with oversampling (M = 3 > n = 2), a jax compilation cache
-shared by the module's runs, and DSPARSE_FAULTS (dsparse_jax/reliability/faults.py) to kill a
-run at a chosen point or inject a NaN.
+that exercises distillsparse with oversampling (M = 3 > n = 2), the test run's jax
+compilation cache (tests/conftest.py), and DSPARSE_FAULTS
+(dsparse_jax/reliability/faults.py) to kill a run at a chosen point or inject a NaN.
 """
 
 import glob
@@ -64,7 +64,7 @@ TINY = [
 TIMING = ("time", "rollout_tokens_per_s")  # metrics that are wall-clock measurements
 
 
-def _train(workdir, cache, *extra, fault=None):
+def _train(workdir, *extra, fault=None):
     cmd = [
         sys.executable,
         os.path.join(ROOT, "launch", "train.py"),
@@ -73,13 +73,7 @@ def _train(workdir, cache, *extra, fault=None):
         *TINY,
         *extra,
     ]
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        JAX_COMPILATION_CACHE_DIR=cache,
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop(faults.ENV, None)
     if fault:
         env[faults.ENV] = fault
@@ -125,19 +119,19 @@ def _flip_byte(step_dir):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted run: N steps, checkpoints every 4 steps (so the final one at step
-    6 is the end-of-training save), shared compilation cache for the later runs."""
+    6 is the end-of-training save)."""
     base = tmp_path_factory.mktemp("reliability")
-    cache, wd = str(base / "jax_cache"), str(base / "ref")
+    wd = str(base / "ref")
     t = time.time()
-    res = _train(wd, cache, "--config.checkpoint.every=4")
+    res = _train(wd, "--config.checkpoint.every=4")
     assert res.returncode == 0, res.stderr[-3000:]
     print(f"reference run: {time.time() - t:.1f}s")
-    return wd, cache
+    return wd
 
 
 @pytest.mark.slow
 def test_exact_resume_after_kills_and_a_corrupt_checkpoint(reference, tmp_path):
-    ref, cache = reference
+    ref = reference
     assert _steps(ref) == [4, 6]  # periodic + final checkpoint (keep 3)
     ref_rl = [r for r in _metrics(ref) if r["phase"] == "rl"]
     assert [r["step"] for r in ref_rl] == list(range(1, N + 1))
@@ -148,14 +142,14 @@ def test_exact_resume_after_kills_and_a_corrupt_checkpoint(reference, tmp_path):
     shutil.copytree(os.path.join(ref, "sft"), os.path.join(wd, "sft"))  # cached warm start
     every = "--config.checkpoint.every=1"
     for point in ("rl_rollout@2", "rl_update@4", "rl_checkpoint@5"):
-        res = _train(wd, cache, every, fault=point)
+        res = _train(wd, every, fault=point)
         assert res.returncode == -signal.SIGKILL, (point, res.returncode, res.stderr[-3000:])
         assert f"SIGKILL at {point}" in res.stdout
     # The newest finished checkpoint is corrupted on disk: the restart must detect it,
     # report it, and continue from the one before, exactly.
     latest = _steps(wd)[-1]
     _flip_byte(os.path.join(wd, "checkpoints", str(latest)))
-    res = _train(wd, cache, every)
+    res = _train(wd, every)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"checkpoint {os.path.abspath(wd)}/checkpoints/{latest} is corrupt" in res.stdout
     assert f"resuming from checkpoint at step {latest - 1}" in res.stdout
@@ -172,12 +166,11 @@ def test_exact_resume_after_kills_and_a_corrupt_checkpoint(reference, tmp_path):
 
 @pytest.mark.slow
 def test_nan_step_is_skipped_and_repeated_nans_halt(reference, tmp_path):
-    ref, cache = reference
+    ref = reference
     wd = str(tmp_path / "nan")
     shutil.copytree(os.path.join(ref, "sft"), os.path.join(wd, "sft"))
     res = _train(
         wd,
-        cache,
         "--config.checkpoint.every=1",
         "--config.checkpoint.keep=10",
         "--config.rl.max_consecutive_skips=2",
@@ -207,14 +200,13 @@ def test_nan_step_is_skipped_and_repeated_nans_halt(reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_sft_resumes_exactly_after_kills(reference, tmp_path):
+def test_sft_resumes_exactly_after_kills(tmp_path):
     """Killed after SFT step 50 (last checkpoint at 40), then after SFT stopped and saved
     but before DONE.json: the warm start resumes and ends bitwise where an uninterrupted
     SFT ends (checkpoint leaves, DONE.json, every SFT metric), and RL continues alike."""
-    _, cache = reference
     args = ("--config.sft.eval_every=20", "--config.rl.num_steps=1")
     ref = str(tmp_path / "ref")
-    res = _train(ref, cache, *args)
+    res = _train(ref, *args)
     assert res.returncode == 0, res.stderr[-3000:]
     with open(os.path.join(ref, "sft", "DONE.json")) as f:
         done = json.load(f)
@@ -223,11 +215,11 @@ def test_sft_resumes_exactly_after_kills(reference, tmp_path):
 
     wd = str(tmp_path / "killed")
     for point in ("sft_step@50", f"sft_done@{final}"):
-        res = _train(wd, cache, *args, fault=point)
+        res = _train(wd, *args, fault=point)
         assert res.returncode == -signal.SIGKILL, (point, res.returncode, res.stderr[-3000:])
         assert f"SIGKILL at {point}" in res.stdout
         assert not os.path.exists(os.path.join(wd, "sft", "DONE.json"))
-    res = _train(wd, cache, *args)
+    res = _train(wd, *args)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"[sft] resuming from step {final}" in res.stdout  # re-evaluates, trains no more
     with open(os.path.join(wd, "sft", "DONE.json")) as f:
