@@ -3,11 +3,12 @@ a user error prints exactly one line `error: ...` naming the field or path to st
 exits with status 2, with no traceback; --verbose adds the traceback; a bug keeps its
 traceback and exits 1.
 
-The table runs launch/train.py in a subprocess per bad invocation (two at a time); each
-fails before any compile.
+The table runs launch/train.py's entry point on every bad invocation in one Python process
+(tests/cli_cases.py: each case's exit status and its whole stderr file descriptor); the
+other tests run launch/train.py as its own process. Each case fails before any compile.
 """
 
-import concurrent.futures
+import json
 import os
 import subprocess
 import sys
@@ -20,6 +21,29 @@ from dsparse_jax.errors import UserError
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
 SMALL = ["--config.sft.max_steps=1", "--config.eval.num_problems=4", "--sft_only"]
+
+
+def _train_cases(cases: list[list[str]], tmp) -> list[subprocess.CompletedProcess]:
+    """Each argument list through launch/train.py's entry point, all in one process."""
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    res = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "tests", "cli_cases.py"),
+            tmp / "cases.json",
+            tmp / "out.json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = json.loads((tmp / "out.json").read_text())
+    return [
+        subprocess.CompletedProcess(argv, r["code"], r["stdout"], r["stderr"])
+        for argv, r in zip(cases, results)
+    ]
 
 
 def _train(args, cwd=ROOT, env=None):
@@ -143,15 +167,16 @@ def test_bad_invocations_print_one_line_and_exit_2(files, tmp_path):
     d = str(files)
     default_workdir = [f"--workdir={tmp_path}/run"]
 
-    def one(case):
-        name, args, text = case
+    argvs = []
+    for _, args, _ in CASES:
         args = [a.format(d=d) for a in args]
         if not any(a.startswith("--workdir") for a in args):
             args += default_workdir
-        return name, _train(args), text.format(d=d)
-
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(one, CASES))
+        argvs.append(args)
+    results = [
+        (name, res, text.format(d=d))
+        for (name, _, text), res in zip(CASES, _train_cases(argvs, tmp_path), strict=True)
+    ]
     failures = []
     for name, res, text in results:
         try:
@@ -162,7 +187,11 @@ def test_bad_invocations_print_one_line_and_exit_2(files, tmp_path):
 
 
 @pytest.mark.slow
-def test_verbose_shows_the_traceback(tmp_path):
+def test_a_process_prints_one_line_and_verbose_the_traceback(tmp_path):
+    """launch/train.py as its own process (the table above runs in one process)."""
+    _expect(
+        _train(["--config.rl.bogus=3", f"--workdir={tmp_path}"]), "config.rl.bogus: unknown key"
+    )
     res = _train(["--config.rl.samples_per_prompt=1", f"--workdir={tmp_path}", "--verbose"])
     assert res.returncode == 2
     assert "Traceback" in res.stderr
