@@ -277,6 +277,10 @@ def test_cache_and_summaries_after_rejections_equal_plain(model):
 
 # --------------------------------------------------------------------------- distribution
 DIST_VOCAB, DIST_NEW, DIST_N = 5, 3, 6000
+# The DIST_N samples as DIST_GROUPS copies of the prompt x DIST_N / DIST_GROUPS samples:
+# the history drafter matches each row against its whole group (O(group^2) work), so one
+# group of 6000 would cost it seconds per step; the samples' distribution is the same.
+DIST_GROUPS = 50
 DIST_CFG = CFG.replace(vocab_size=DIST_VOCAB)
 DIST_PROMPT = np.array([[1, 3, 2, 4, 0, 2, 1]])
 Z_CRIT = 3.719  # one-sided normal quantile of p = 1e-4
@@ -307,13 +311,15 @@ def _exact_probs(graphdef, state, cfg):
 
 def _chi_square(graphdef, state, phi, draft, cfg, key=0):
     seqs, probs = _exact_probs(graphdef, state, cfg)
-    scfg = dataclasses_replace(cfg, samples_per_prompt=DIST_N)
+    scfg = dataclasses_replace(cfg, samples_per_prompt=DIST_N // DIST_GROUPS)
+    prompts = np.repeat(DIST_PROMPT, DIST_GROUPS, axis=0)
     history = None
     if draft == "history":  # bank rows: fixed token sequences (deterministic drafts)
         width = DIST_PROMPT.shape[1] + 5  # the rollout's buffer: 7 + 3 rounded up to pages
         rows = np.random.default_rng(9).integers(0, DIST_VOCAB, (1, 4, width))
         rows[:, :, : DIST_PROMPT.shape[1]] = DIST_PROMPT
-        history = SP.History(jnp.asarray(rows), jnp.full((1, 4), rows.shape[2], jnp.int32))
+        rows = np.repeat(rows, DIST_GROUPS, axis=0)  # the same bank for every copy
+        history = SP.History(jnp.asarray(rows), jnp.full(rows.shape[:2], width, jnp.int32))
     spec = SPARSE if draft == "sparse_self" else DENSE
     head = None
     if draft == "draft_head":  # an untrained head: a q far from p
@@ -321,8 +327,8 @@ def _chi_square(graphdef, state, phi, draft, cfg, key=0):
         head = draft_head.create(DIST_CFG, draft_head.DraftHeadConfig(layers), jax.random.key(4))
     r, stats = SP.SpeculativeSampler(graphdef)(
         state,
-        DIST_PROMPT,
-        np.array([DIST_PROMPT.shape[1]]),
+        prompts,
+        np.full(DIST_GROUPS, DIST_PROMPT.shape[1]),
         jax.random.key(key),
         scfg,
         SP.SpeculativeConfig(draft=draft, draft_tokens=2, ngram=2),
