@@ -4,6 +4,6 @@
   sparse_train   Pallas TPU block-sparse training attention, forward + backward
   triton_decode  jax-triton split-K block-sparse decode attention (GPU)
 
-Modules are imported on demand by dsparse_jax.attention.api; triton / jax_triton are
-imported only when a Triton kernel is launched.
+Modules are imported on demand by dsparse_jax.model.attention_dispatch; triton / jax_triton
+are imported only when a Triton kernel is launched.
 """

@@ -21,9 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsparse_jax.attention import api, dense, selection, sparse
+from dsparse_jax.attention import dense, selection, sparse
 from dsparse_jax.attention.selection import NO_PAGE
 from dsparse_jax.attention.spec import IMPLS, AttentionSpec, LayerInfo, SparseSpec, interpret_mode
+from dsparse_jax.model import attention_dispatch as api
 from pallas_kernels import common, paged_decode, sparse_decode, sparse_train, triton_decode
 
 F32_TOL = 2e-5  # kernel vs reference, f32: online vs two-pass softmax rounding

@@ -27,10 +27,11 @@ import pytest
 from flax import nnx
 from model_utils import out_and_grads, random_params
 
-from dsparse_jax.attention import api, dense, selection, sparse
 from dsparse_jax.attention import cache as kv_cache
+from dsparse_jax.attention import dense, selection, sparse
 from dsparse_jax.attention.selection import NO_PAGE
 from dsparse_jax.attention.spec import AttentionSpec, LayerInfo, SparseSpec
+from dsparse_jax.model import attention_dispatch as api
 from dsparse_jax.model import config as C
 from dsparse_jax.sampling.sampler import Sampler, SamplingConfig, buffer_schedule
 

@@ -13,10 +13,10 @@ import math
 import os
 import re
 
-from dsparse_jax.attention import api
 from dsparse_jax.attention.spec import IMPLS, POLICIES, min_candidate_groups
 from dsparse_jax.config import schema
 from dsparse_jax.errors import UserError
+from dsparse_jax.model import attention_dispatch
 from dsparse_jax.model.config import PRESETS
 from dsparse_jax.model.transformer import LINEAR_NAMES
 from dsparse_jax.rl.losses import AGG_MODES
@@ -152,7 +152,9 @@ def validate(c) -> None:
     )
     _check(c.attention.impl in IMPLS, "attention.impl", f"must be one of {IMPLS}")
     # The KV cache is in the compute dtype (model.dtype).
-    error = api.kernel_shape_error(c.attention.impl, c.attention.page_size, c.model.dtype)
+    error = attention_dispatch.kernel_shape_error(
+        c.attention.impl, c.attention.page_size, c.model.dtype
+    )
     _check(error is None, "attention.page_size", f"{error} (model.dtype {c.model.dtype})")
     for f in ("sft.learning_rate", "rl.learning_rate", "rl.max_grad_norm", "sft.max_grad_norm"):
         _lr(c, f)

@@ -1,7 +1,7 @@
 """Gemma 2/3 decoder-only transformer in flax.nnx.
 
 One model serves three call modes, all through the same attention interface
-(dsparse_jax.attention.api):
+(dsparse_jax.model.attention_dispatch):
   forward(tokens_BxT)                      teacher-forced logits (training, log-prob recompute)
   prefill(tokens_BxT, lengths_B, cache)    dense prompt pass that fills the KV cache
   decode(tokens_B, pos_B, cache)           one token per sequence at its own position
@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsparse_jax.attention import api as attention
 from dsparse_jax.attention import cache as kv_cache
 from dsparse_jax.attention.dense import softcap
 from dsparse_jax.attention.spec import AttentionSpec, LayerInfo
+from dsparse_jax.model import attention_dispatch as attention
 from dsparse_jax.model.config import ModelConfig
 
 ATTN_NAMES = ("q", "k", "v", "o")  # Attention's linear maps
