@@ -1,5 +1,6 @@
 """The rollout benchmark (launch/bench_rollout.py) runs end to end at toy sizes and reports
-what it measured: every part, the growing-cache rows, the ratios and the targets. Timings
+what it measured: every part, the growing-cache rows, the ratios and the targets; so does
+launch/bench_gather_slices.py. Timings
 are not checked (benchmarks are not timed tests); the structure and the invariants the
 script itself relies on are."""
 
@@ -12,9 +13,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _load_bench():
+def _load_bench(name="bench_rollout"):
     spec = importlib.util.spec_from_file_location(
-        "_bench_rollout", os.path.join(ROOT, "launch", "bench_rollout.py")
+        f"_{name}", os.path.join(ROOT, "launch", f"{name}.py")
     )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -91,3 +92,25 @@ def test_bench_rollout_config_names():
     assert (sp.policy, sp.dense_layers, sp.group_pages) == ("quest", 2, 0)
     sp = spec_for("distillsparse:0:g16c8", 32, 16).sparse
     assert (sp.dense_layers, sp.group_pages, sp.candidate_groups) == (0, 16, 8)
+
+
+def test_bench_gather_slices_reports_every_pair(tmp_path):
+    bench = _load_bench("bench_gather_slices")
+    out = tmp_path / "slices.json"
+    bench.main(
+        [
+            "--contexts=64",
+            "--configs=distillsparse:0",
+            "--slices=1,2,3",
+            "--rounds=1",
+            "--reps=2",
+            "--batch=3",
+            "--budget=3",
+            f"--out={out}",
+        ]
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["context"], r["gather_slices"]) for r in rows] == [(64, 1), (64, 2), (64, 3)]
+    for r in rows:
+        assert r["n"] == 2 and r["same_logits_as_first"]  # slicing never changes a bit
+        assert r["over_dense_at_budget"] == r["median_ms"] / r["dense_at_budget_ms"]["median_ms"]
