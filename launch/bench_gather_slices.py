@@ -1,4 +1,4 @@
-"""Decode step with the K/V page gather in 1 or more batch slices, side by side (issue 22).
+"""Decode step with the K/V page gather in 1 or more slices, side by side (issue 22).
 
     python launch/bench_gather_slices.py --contexts 1024,4096,16384 \
         --configs distillsparse:0,distillsparse:0:g16c8 --slices 1,2 --out /tmp/slices.json

@@ -5,9 +5,8 @@ written to its stdout and stderr file descriptors (Python's and the C libraries'
     python tests/cli_cases.py cases.json results.json
 
 cases.json: a list of argument lists; results.json: a list of {"code", "stdout",
-"stderr"}. Used by
-tests/test_cli_errors.py: the table of bad invocations pays Python's and jax's start-up
-once instead of once per case.
+"stderr"}. Used by tests/test_cli_errors.py: the table of bad invocations pays Python's
+and jax's start-up once instead of once per case.
 """
 
 import importlib.util

@@ -601,17 +601,19 @@ def test_grow_layer_cache_keeps_contents_and_zero_pads():
 
 
 # ----------------------------------------------------------------------------- (f)
-def test_gather_rows_is_a_bitwise_row_gather():
+@pytest.mark.parametrize("slices", [1, 2, 4])
+def test_gather_rows_is_a_bitwise_row_gather(slices):
     """sparse._gather_rows (the K/V page gather of a decode step, FILL_OR_DROP mode) returns
     exactly the rows of the [B * K * pages, page_size * H] view it is given: numpy fancy
-    indexing, bitwise, for ids anywhere in the cache (first and last row included)."""
+    indexing, bitwise, for ids anywhere in the cache (first and last row included), in one
+    piece or in slices of the 6 page slots (4: uneven slices)."""
     b, kv, pages, ps, h, p = 3, 2, 9, 4, 5, 6
     rng = np.random.default_rng(3)
     x = rng.normal(size=(b, kv, pages * ps, h)).astype(np.float32)
     ids = rng.integers(0, pages, (b, kv, p)).astype(np.int32)
     ids[0, 0, 0], ids[-1, -1, -1] = 0, pages - 1
     rows = np.asarray(sparse._page_rows(jnp.asarray(ids), pages))
-    got = np.asarray(jax.jit(sparse._gather_rows, static_argnums=2)(x, rows, ps))
+    got = np.asarray(jax.jit(sparse._gather_rows, static_argnums=(2, 3))(x, rows, ps, slices))
     want = x.reshape(b * kv * pages, ps * h)[rows].reshape(b, kv, p * ps, h)
     np.testing.assert_array_equal(got, want)
 

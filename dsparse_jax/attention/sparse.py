@@ -26,17 +26,20 @@ def _page_rows(page_ids_BxKxP, num_pages: int):
     return base + jnp.maximum(page_ids_BxKxP, 0).astype(jnp.int32)
 
 
-# The page gather runs as this many independent gathers over batch slices (concatenated):
-# XLA:CPU runs one gather on one thread, and independent ops on the threads of its pool.
-# On the 2-core VM (issue 22, docs/benchmarks.md): a decode step with every global layer
-# sparse, ~1 ms (10%) cheaper at 1k-16k context, bitwise the same output; 4 slices no
-# better than 2.
+# The page gather runs as this many independent gathers, each over a slice of the page
+# slots (concatenated): XLA:CPU runs one gather on one thread, and independent ops on the
+# threads of its pool. The slots axis is never sharded (the batch and KV-head axes can
+# be), so the slices need no data movement on a mesh. On the 2-core VM (issue 22,
+# docs/benchmarks.md): a decode step with every global layer sparse ~1 ms (10%) cheaper
+# at 1k-16k context, bitwise the same output; 4 slices no better than 2. The teacher-forced
+# twin (the step vmapped over positions, and its gradient) gathers in one piece: sliced,
+# its forward + backward ran 7-15% slower.
 GATHER_SLICES = 2
 
 
-def _gather_rows(x_BxKxSxH, rows_BxKxP, page_size: int):
+def _gather_rows(x_BxKxSxH, rows_BxKxP, page_size: int, slices: int = 1):
     """The pages at rows_BxKxP as [B, K, P * page_size, H]: one contiguous page_size * H
-    row per page (a row gather, in GATHER_SLICES independent slices of the batch).
+    row per page (a row gather, in `slices` independent slices of the P slots).
 
     Rows are in range by construction (_page_rows). The gather runs in FILL_OR_DROP mode
     (a row out of range would read as NaN, never another row's keys): the same values as
@@ -58,15 +61,24 @@ def _gather_rows(x_BxKxSxH, rows_BxKxP, page_size: int):
             (1, page_size * h),
             mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
         )
-        for rows in jnp.array_split(rows_BxKxP, min(GATHER_SLICES, b), axis=0)
+        for rows in jnp.array_split(rows_BxKxP, min(slices, p), axis=2)
     ]
-    return jnp.concatenate(parts, axis=0).reshape(b, kv, p * page_size, h)
+    return jnp.concatenate(parts, axis=2).reshape(b, kv, p * page_size, h)
 
 
 def sparse_decode_attention(
-    q_BxNxH, k_BxKxSxH, v_BxKxSxH, pos_B, page_ids_BxKxP, layer: LayerInfo, page_size: int
+    q_BxNxH,
+    k_BxKxSxH,
+    v_BxKxSxH,
+    pos_B,
+    page_ids_BxKxP,
+    layer: LayerInfo,
+    page_size: int,
+    gather_slices: int | None = None,
 ):
-    """Decode attention restricted to the selected pages (global layers: no window)."""
+    """Decode attention restricted to the selected pages (global layers: no window).
+    gather_slices: the page gather's slices (None: GATHER_SLICES); the same values either way."""
+    slices = GATHER_SLICES if gather_slices is None else gather_slices
     b, n, h = q_BxNxH.shape
     kv, s = k_BxKxSxH.shape[1], k_BxKxSxH.shape[2]
     p = page_ids_BxKxP.shape[-1]
@@ -82,8 +94,8 @@ def sparse_decode_attention(
         dimension=2,
         num_keys=1,
     )
-    k_BxKxTxH = _gather_rows(k_BxKxSxH, rows_BxKxP, page_size)
-    v_BxKxTxH = _gather_rows(v_BxKxSxH, rows_BxKxP, page_size)
+    k_BxKxTxH = _gather_rows(k_BxKxSxH, rows_BxKxP, page_size, slices)
+    v_BxKxTxH = _gather_rows(v_BxKxSxH, rows_BxKxP, page_size, slices)
     # Key-major product ([T, H] . [H, G] per row, the gathered keys as the left operand, as
     # in dense.decode_attention), then a transpose of the small [T, G] result: on XLA:CPU
     # about 2x faster than contracting into [G, T] directly (in the decode step at B = 32,
@@ -128,7 +140,7 @@ def sequence_attention(
     b = q_BxTxNxH.shape[0]
     pos_TxB = jnp.broadcast_to(jnp.arange(w, t, dtype=jnp.int32)[:, None], (t - w, b))
     step = lambda q_BxNxH, pos_B, ids_BxKxP: sparse_decode_attention(
-        q_BxNxH, k_BxKxSxH, v_BxKxSxH, pos_B, ids_BxKxP, layer, page_size
+        q_BxNxH, k_BxKxSxH, v_BxKxSxH, pos_B, ids_BxKxP, layer, page_size, gather_slices=1
     )
     tail = jax.vmap(step, in_axes=(1, 0, 1), out_axes=1)(
         q_BxTxNxH[:, w:], pos_TxB, ids_BxTxKxP[:, w:]
