@@ -42,7 +42,6 @@ def main(argv=None):
     args = parse_args(argv)
     import bench_rollout as br
     import jax
-    import jax.numpy as jnp
     from flax import nnx
 
     from dsparse_jax.attention import sparse
@@ -51,20 +50,12 @@ def main(argv=None):
 
     cfg = model_config.preset("tiny", dtype="float32", param_dtype="float32", vocab_size=64)
     model = Transformer(cfg, nnx.Rngs(0))
-    graphdef, state = nnx.split(model)
+    state = nnx.split(model)[1]
     b, default_slices = args.batch, sparse.GATHER_SLICES
 
     def prepare(ctx, name, slices):
         spec = br.spec_for(name, args.budget, args.page_size)
-
-        def step(state, tokens, pos, caches):
-            logits, caches, _ = nnx.merge(graphdef, state).decode(tokens, pos, caches, spec)
-            return logits, caches
-
-        fn = jax.jit(step, donate_argnums=(3,))
-        caches, _ = br.filled_caches(model, spec, b, ctx, 0)
-        tokens = jnp.asarray(np.random.RandomState(ctx).randint(0, 64, b), jnp.int32)
-        pos = jnp.full((b,), ctx, jnp.int32)
+        fn, caches, tokens, pos, _ = br.decode_step(model, spec, b, ctx, seed=0)
         sparse.GATHER_SLICES = slices
         try:
             logits, caches = fn(state, tokens, pos, caches)

@@ -336,12 +336,31 @@ def filled_caches(model, spec, batch: int, context: int, seed: int):
     return make(jax.random.PRNGKey(seed)), buf
 
 
-def bench_steps(model, args, configs, contexts):
+def decode_step(model, spec, batch: int, context: int, seed: int):
+    """One jitted decode step of `model` under `spec` (the cache donated) and its inputs
+    at position `context` over a filled cache: (fn, caches, tokens, pos, buffer length).
+    fn(state, tokens, pos, caches) -> (logits, caches), state = nnx.split(model)[1]."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    graphdef, state = nnx.split(model)
+    graphdef = nnx.split(model)[0]
+
+    def step(state, tokens, pos, caches):
+        logits, caches, _ = nnx.merge(graphdef, state).decode(tokens, pos, caches, spec)
+        return logits, caches
+
+    caches, buf = filled_caches(model, spec, batch, context, seed)
+    rng = np.random.RandomState(context)
+    tokens = jnp.asarray(rng.randint(0, model.cfg.vocab_size, batch), jnp.int32)
+    pos = jnp.full((batch,), context, jnp.int32)
+    return jax.jit(step, donate_argnums=(3,)), caches, tokens, pos, buf
+
+
+def bench_steps(model, args, configs, contexts):
+    from flax import nnx
+
+    state = nnx.split(model)[1]
     b = args.batch
     budget_ctx = args.budget * args.page_size
     # Every context gets every configuration; the dense step at the budget's context is
@@ -358,17 +377,7 @@ def bench_steps(model, args, configs, contexts):
 
     def prepare(ctx, name):
         spec = spec_for(name, args.budget, args.page_size, args.impl)
-
-        def step(state, tokens, pos, caches):
-            logits, caches, _ = nnx.merge(graphdef, state).decode(tokens, pos, caches, spec)
-            return logits, caches
-
-        fn = jax.jit(step, donate_argnums=(3,))
-        caches, buf = filled_caches(model, spec, b, ctx, args.seed)
-        tokens = jnp.asarray(
-            np.random.RandomState(ctx).randint(0, model.cfg.vocab_size, b), jnp.int32
-        )
-        pos = jnp.full((b,), ctx, jnp.int32)
+        fn, caches, tokens, pos, buf = decode_step(model, spec, b, ctx, args.seed)
         t0 = time.perf_counter()
         logits, caches = fn(state, tokens, pos, caches)
         logits.block_until_ready()
