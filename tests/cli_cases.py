@@ -9,23 +9,13 @@ cases.json: a list of argument lists; results.json: a list of {"code", "stdout",
 and jax's start-up once instead of once per case.
 """
 
-import importlib.util
 import json
 import os
 import sys
 import tempfile
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _train_module():
-    spec = importlib.util.spec_from_file_location(
-        "_train", os.path.join(ROOT, "launch", "train.py")
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from model_utils import load_launch
 
 
 def run_case(main, argv) -> dict:
@@ -66,7 +56,7 @@ def main() -> None:
     cases_path, results_path = sys.argv[1:]
     with open(cases_path) as f:
         cases = json.load(f)
-    train = _train_module()
+    train = load_launch("train")
     results = [run_case(train.main, argv) for argv in cases]
     with open(results_path, "w") as f:
         json.dump(results, f)

@@ -1,7 +1,9 @@
 """Shared test helpers: random model weights drawn with numpy (no eager-init compiles),
-an attention's output and gradients compiled as one program."""
+an attention's output and gradients compiled as one program, a launch/ script as a module."""
 
+import importlib.util
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -40,3 +42,14 @@ def out_and_grads(attention, q, k, v, weight=1.0):
     f = lambda q, k, v: attention(q, k, v) * weight
     grads = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v))), argnums=(0, 1, 2))
     return jax.jit(lambda q, k, v: (f(q, k, v), grads(q, k, v)))(q, k, v)
+
+
+def load_launch(name: str):
+    """launch/<name>.py imported as a module (launch/ is no package)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        f"_{name}", os.path.join(root, "launch", f"{name}.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -1,30 +1,18 @@
 """The rollout benchmark (launch/bench_rollout.py) runs end to end at toy sizes and reports
 what it measured: every part, the growing-cache rows, the ratios and the targets; so does
-launch/bench_gather_slices.py. Timings
-are not checked (benchmarks are not timed tests); the structure and the invariants the
-script itself relies on are."""
+launch/bench_gather_slices.py. Timings are not checked (benchmarks are not timed tests);
+the structure and the invariants the script itself relies on are."""
 
-import importlib.util
 import json
 import os
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load_bench(name="bench_rollout"):
-    spec = importlib.util.spec_from_file_location(
-        f"_{name}", os.path.join(ROOT, "launch", f"{name}.py")
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from model_utils import load_launch
 
 
 @pytest.mark.slow  # ~10 sampler / step / forward compiles of the tiny preset
 def test_bench_rollout_reports_every_part(tmp_path, capsys):
-    bench = _load_bench()
+    bench = load_launch("bench_rollout")
     out = tmp_path / "bench.json"
     bench.main(
         [
@@ -86,7 +74,7 @@ def test_bench_rollout_reports_every_part(tmp_path, capsys):
 
 def test_bench_rollout_config_names():
     """ "<policy>:<dense_layers>[:g<G>c<C>]" names parse to the spec they describe."""
-    spec_for = _load_bench().spec_for
+    spec_for = load_launch("bench_rollout").spec_for
     assert spec_for("dense", 32, 16).sparse is None
     sp = spec_for("quest:2", 32, 16).sparse
     assert (sp.policy, sp.dense_layers, sp.group_pages) == ("quest", 2, 0)
@@ -95,7 +83,7 @@ def test_bench_rollout_config_names():
 
 
 def test_bench_gather_slices_reports_every_pair(tmp_path):
-    bench = _load_bench("bench_gather_slices")
+    bench = load_launch("bench_gather_slices")
     out = tmp_path / "slices.json"
     bench.main(
         [

@@ -4,8 +4,9 @@ exits with status 2, with no traceback; --verbose adds the traceback; a bug keep
 traceback and exits 1.
 
 The table runs launch/train.py's entry point on every bad invocation in one Python process
-(tests/cli_cases.py: each case's exit status and its whole stderr file descriptor); the
-other tests run launch/train.py as its own process. Each case fails before any compile.
+(tests/cli_cases.py: each case's exit status and its whole stdout and stderr file
+descriptors); the other tests run launch/train.py as its own process. Each case fails
+before any compile.
 """
 
 import json

@@ -2,13 +2,13 @@
 sweep of two variants from one shared SFT warm start, its resume (a finished run is
 skipped, an unfinished one resumes from its checkpoint) and the generated report."""
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+from model_utils import load_launch
 
 from dsparse_jax.errors import UserError
 
@@ -37,15 +37,6 @@ TINY = [
 ]
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(
-        f"_{name}", os.path.join(ROOT, "launch", f"{name}.py")
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _experiment(*args):
     cmd = [sys.executable, os.path.join(ROOT, "launch", "experiment.py"), *args]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -58,7 +49,7 @@ def _steps(workdir, phase):
 
 
 def test_plan_variants_and_overrides():
-    ex = _load("experiment")
+    ex = load_launch("experiment")
     assert ex.resolve_variants("dense,sparse+tis,distillsparse+M=2n", False) == [
         "dense",
         "sparse_tis",
@@ -158,7 +149,7 @@ def test_tiny_experiment_resumes_and_reports(tmp_path):
     assert rep.returncode == 0, rep.stdout[-3000:] + rep.stderr[-3000:]
     with open(out) as f:
         text = f.read()
-    results = _load("results")
+    results = load_launch("results")
     table = [l for l in text.splitlines() if l.startswith("| ") and "(`" in l]
     assert any("(`dense`)" in l for l in table) and any("(`distillsparse`)" in l for l in table)
     row = next(l for l in table if "(`distillsparse`)" in l).split("|")
