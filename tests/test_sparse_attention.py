@@ -618,6 +618,24 @@ def test_gather_rows_is_a_bitwise_row_gather(slices):
     np.testing.assert_array_equal(got, want)
 
 
+def test_sort_rows_is_a_stable_sort():
+    """sparse._sort_rows (the rank sort of a decode step's page rows) equals numpy's stable
+    argsort of the rows, with the ids carried along, bitwise: rows with ties (NO_PAGE and
+    page 0 share row 0 of their head), already sorted, reversed, and random slots."""
+    b, kv, pages, p = 4, 2, 40, 7
+    rng = np.random.default_rng(5)
+    ids = np.stack([rng.permutation(pages)[:p] for _ in range(b * kv)]).reshape(b, kv, p)
+    ids[0, 0] = [0, NO_PAGE, 3, NO_PAGE, 0, 1, NO_PAGE]  # ties at row 0 (0 twice: a planted repeat)
+    ids[1, 0], ids[1, 1] = np.arange(p), np.arange(p)[::-1]
+    ids = ids.astype(np.int32)
+    rows = np.asarray(sparse._page_rows(jnp.asarray(ids), pages))
+    got_rows, got_ids = jax.device_get(jax.jit(sparse._sort_rows)(rows, ids))
+    order = np.argsort(rows, axis=-1, kind="stable")
+    np.testing.assert_array_equal(got_rows, np.take_along_axis(rows, order, -1))
+    np.testing.assert_array_equal(got_ids, np.take_along_axis(ids, order, -1))
+    assert list(got_ids[0, 0]) == [0, NO_PAGE, NO_PAGE, 0, NO_PAGE, 1, 3]  # slot order kept
+
+
 @pytest.mark.parametrize("softcap", [None, 3.0])
 def test_sparse_decode_attention_matches_numpy(softcap):
     """One sparse decode step equals numpy attention over the keys of its selected pages
