@@ -215,8 +215,12 @@ def _scores(
     names = SUMMARY_NAMES[policy]
     x = {name: summaries[name + suffix] for name in names}
     if unit_BxKxN is not None:  # gather the units' summary rows
+        # A unit past the buffer (a partial last group's) reads zeros; the caller masks
+        # it (page <= current page), so any value would do. Fill mode, not clip: on
+        # XLA:CPU the decode step at 16k ran 1-4% faster in four A/Bs (mixed at 1k and
+        # 4k), as with sparse._gather_rows' mode.
         x = {
-            name: jnp.take_along_axis(s, unit_BxKxN[..., None], axis=2, mode="clip")
+            name: jnp.take_along_axis(s, unit_BxKxN[..., None], axis=2, mode="fill", fill_value=0)
             for name, s in x.items()
         }
         start = unit_BxKxN * span

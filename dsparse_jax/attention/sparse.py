@@ -73,9 +73,9 @@ def _sort_rows(rows_BxKxP, ids_BxKxP):
     A sort by rank: slot i goes to position #{j : row_j < row_i, or row_j == row_i and
     j < i}, placed by a one-hot sum: O(P^2) element-wise work per (sequence, KV head), P
     the few dozen slots of a budget. On XLA:CPU (jax 0.10.2) `lax.sort` of the same rows
-    ran ~80 us per sparse layer in the decode step at B = 32; with the rank sort in its
-    place the step ran 3-6% cheaper at 1k-16k context, the same logits bit for bit
-    (issue 22, docs/benchmarks.md)."""
+    ran ~80 us per sparse layer in the decode step at B = 32, the rank sort ~25 us: the
+    step 1-6% cheaper at 1k-16k context in 16 of 18 A/B pairs, the same logits bit for
+    bit (issue 22, docs/benchmarks.md)."""
     p = rows_BxKxP.shape[-1]
     slot = jnp.arange(p)
     row_i, row_j = rows_BxKxP[..., :, None], rows_BxKxP[..., None, :]
