@@ -110,7 +110,8 @@ def sparse_decode_attention(
     q_BxKxGxH = q_BxNxH.reshape(b, kv, n // kv, h) * layer.scale
     # The pages are read in increasing address order (attention over a set of keys does
     # not depend on their order, up to float rounding). Sorting also materialises the row
-    # indices: XLA does not fuse a sort into the gathers, which would otherwise re-derive
+    # indices: XLA does not fuse the sort (its reductions) into the gathers (checked in
+    # the compiled HLO of the step: a fusion of its own), which would otherwise re-derive
     # each page's row (selection masking, NO_PAGE handling) for every gathered element;
     # on XLA:CPU that halves the cost of the two gathers, the largest part of a sparse
     # step at long context.
