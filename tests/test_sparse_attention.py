@@ -625,7 +625,8 @@ def test_sort_rows_is_a_stable_sort():
     b, kv, pages, p = 4, 2, 40, 7
     rng = np.random.default_rng(5)
     ids = np.stack([rng.permutation(pages)[:p] for _ in range(b * kv)]).reshape(b, kv, p)
-    ids[0, 0] = [0, NO_PAGE, 3, NO_PAGE, 0, 1, NO_PAGE]  # ties at row 0 (0 twice: a planted repeat)
+    # ties at row 0 (page 0 twice too: a repeat)
+    ids[0, 0] = [0, NO_PAGE, 3, NO_PAGE, 0, 1, NO_PAGE]
     ids[1, 0], ids[1, 1] = np.arange(p), np.arange(p)[::-1]
     ids = ids.astype(np.int32)
     rows = np.asarray(sparse._page_rows(jnp.asarray(ids), pages))
