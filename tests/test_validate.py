@@ -148,3 +148,11 @@ def test_validation_runs_before_anything_is_built(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="config.rl.samples_generated"):
         run.main(c, str(tmp_path / "wd"))
     assert not os.path.exists(tmp_path / "wd")  # nothing written either
+
+
+def test_backend_warning_names_bf16_on_cpu_only():
+    # XLA:CPU upcasts a bf16 cache write to f32 over the whole cache (docs/benchmarks.md).
+    assert "model.dtype=bfloat16 on CPU" in run.backend_warning("bfloat16", "cpu")
+    assert run.backend_warning("float32", "cpu") is None
+    assert run.backend_warning("bfloat16", "gpu") is None
+    assert run.backend_warning("bfloat16", "tpu") is None

@@ -34,6 +34,17 @@ def prepare_workdir(workdir: str) -> None:
             raise UserError(f"{path!r} in the workdir is not readable and writable")
 
 
+def backend_warning(model_dtype: str, backend: str) -> str | None:
+    """A warning for a model dtype that runs far slower than it should on this backend."""
+    if backend == "cpu" and model_dtype == "bfloat16":
+        return (
+            "model.dtype=bfloat16 on CPU: XLA:CPU converts a bf16 KV cache to f32 and back "
+            "at every decode write, O(context) per step (docs/benchmarks.md); use "
+            "--config.model.dtype=float32 --config.model.param_dtype=float32 on CPU"
+        )
+    return None
+
+
 def write_config(workdir: str, config, model_cfg=None) -> None:
     """<workdir>/config.json; with the built model's config, model.* holds the resolved
     values (the preset's where the config left a field unset)."""
@@ -66,6 +77,9 @@ def main(config, workdir: str, sft_only: bool = False) -> dict:
         f"workdir {workdir}",
         flush=True,
     )
+    warning = backend_warning(ctx.model_cfg.dtype, jax.default_backend())
+    if warning:
+        print(f"[run] warning: {warning}", flush=True)
     # Multi-host: process 0 logs to the workdir, the others to <workdir>/process<i>.
     pid = jax.process_index()
     log_dir = workdir if pid == 0 else os.path.join(workdir, f"process{pid}")
