@@ -5,8 +5,9 @@
   python launch/bench_speculative.py --workdir=runs/mini_longchain \\
       --phi_workdir=runs/exp_mini/distillsparse_s0 --gen=0        # trained, the chain task
 
-Part 1 (--gen, random weights of --preset, mini by default): B = --batch rows (--samples
-per prompt) of random prompts, EOS disabled so every row generates exactly N tokens, at
+Part 1 (--gen, random weights of --preset, mini by default, in --dtype; attention
+implementation --impl, xla by default): B = --batch rows (--samples per prompt) of random
+prompts, EOS disabled so every row generates exactly N tokens, at
 temperature --temperature. Rows: plain dense `Sampler`, then `SpeculativeSampler` with
 each drafter: sparse_self (theta + phi = 0 on the sparse attention of --budget pages) and
 history (no bank: the row's own context and its siblings).
@@ -106,7 +107,7 @@ def measure(
             None,
             None,
             cfg=scfg,
-            spec=AttentionSpec(page_size=spec.page_size),
+            spec=dense_of(spec),
             lora_scale=1.0,
         ).compile()
         call = lambda: compiled(params, prompts, lengths, key, None, None)
@@ -146,6 +147,11 @@ def measure(
     return row, rollout
 
 
+def dense_of(spec: AttentionSpec) -> AttentionSpec:
+    """The dense attention of spec (same implementation and page size)."""
+    return dataclasses.replace(spec, sparse=None)
+
+
 def with_ratios(rows):
     base = rows[0]["tokens_per_s"]
     for r in rows:
@@ -157,7 +163,7 @@ def step_costs(model, spec, batch, context, k, reps):
     """Seconds per call at `context` cached tokens (random prompt, dense prefill): a plain
     dense decode step, a sparse(+phi) draft step, and a dense verify of k + 1 tokens
     (Transformer.extend): the pieces of one speculative iteration."""
-    dense = AttentionSpec(page_size=spec.page_size)
+    dense = dense_of(spec)
     size = buffer_length(context, k + 2, spec.page_size)
     tokens = jax.random.randint(jax.random.key(1), (batch, context), 2, model.cfg.vocab_size)
     lengths = jnp.full((batch,), context, jnp.int32)
@@ -190,7 +196,9 @@ def _time_donated(fn, cache, reps: int):
     return round(float(np.median(times)), 5), cache
 
 
-def train_head(graphdef, params, model_cfg, prompts, lengths, scfg, steps: int, seed: int = 1):
+def train_head(
+    graphdef, params, model_cfg, prompts, lengths, scfg, steps: int, dense_spec, seed: int = 1
+):
     """A draft head trained on the policy's own plain rollouts of `prompts` (other prompts
     than the timed ones): `steps` Adam steps (lr 1e-3) of its soft cross-entropy. Returns
     ((graphdef, state), its metrics)."""
@@ -198,9 +206,7 @@ def train_head(graphdef, params, model_cfg, prompts, lengths, scfg, steps: int, 
     from dsparse_jax.train import draft_head as draft_head_train
 
     t0 = time.perf_counter()
-    rows = Sampler(graphdef)(
-        params, prompts, lengths, jax.random.key(seed), scfg, AttentionSpec(page_size=16)
-    )
+    rows = Sampler(graphdef)(params, prompts, lengths, jax.random.key(seed), scfg, dense_spec)
     layers = draft_head.default_layers(model_cfg.num_layers)
     hg, hs = draft_head.create(model_cfg, draft_head.DraftHeadConfig(layers), jax.random.key(seed))
     tx = draft_head_train.make_tx(1e-3, 1.0)
@@ -230,7 +236,7 @@ def part_random(args, spec):
     from dsparse_jax.model.config import preset
     from dsparse_jax.model.transformer import Transformer
 
-    cfg = preset(args.preset)
+    cfg = preset(args.preset, dtype=args.dtype, param_dtype=args.dtype)
     model = Transformer(cfg, nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     rng = np.random.default_rng(0)
@@ -255,10 +261,11 @@ def part_random(args, spec):
                 np.full(args.head_rows, args.prompt_len),
                 head_cfg,
                 args.head_steps,
+                dense_of(spec),
             )
         for draft in args.drafts:
             sc = SpeculativeConfig(draft=draft, draft_tokens=args.k, ngram=args.ngram)
-            dspec = spec if draft == "sparse_self" else AttentionSpec(page_size=spec.page_size)
+            dspec = spec if draft == "sparse_self" else dense_of(spec)
             rows.append(
                 measure(
                     draft,
@@ -336,7 +343,7 @@ def part_trained(args, spec):
     bank = HistoryBank(p, args.history_per_prompt, buffer_length(width, gen, spec.page_size))
     slots = bank.slots([prompt_key(x[:n]) for x, n in zip(prompts, lengths)])
     hist_cfg = SpeculativeConfig("history", args.k, ngram=args.ngram)
-    dense = AttentionSpec(page_size=spec.page_size)
+    dense = dense_of(spec)
     for epoch in (1, 2):
         row, r = measure(
             f"history (epoch {epoch})",
@@ -354,7 +361,7 @@ def part_trained(args, spec):
         )
         head_cfg = dataclasses.replace(scfg, samples_per_prompt=1)
         head, out["draft_head_training"] = train_head(
-            ctx.graphdef, base.params, ctx.model_cfg, hp, hl, head_cfg, args.head_steps
+            ctx.graphdef, base.params, ctx.model_cfg, hp, hl, head_cfg, args.head_steps, dense
         )
         rows.append(
             measure(
@@ -408,6 +415,10 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--workdir", default="", help="part 2: a long-chain run (SFT or RL)")
     ap.add_argument("--phi_workdir", default="", help="part 2: a distillsparse run's phi")
+    ap.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="part 1 model dtype"
+    )
+    ap.add_argument("--impl", default="xla", help="attention.impl (auto: the platform's kernel)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     args.gen = [int(x) for x in args.gen.split(",") if int(x) > 0]
@@ -415,6 +426,7 @@ def main(argv=None):
     if args.quick:
         args.gen, args.batch, args.samples, args.prompt_len = [64], 8, 2, 16
     spec = AttentionSpec(
+        impl=args.impl,
         page_size=args.page_size,
         sparse=SparseSpec(budget=args.budget, dense_layers=2),
     )
@@ -426,6 +438,8 @@ def main(argv=None):
         "draft_tokens": args.k,
         "temperature": args.temperature,
         "budget_pages": args.budget,
+        "dtype": args.dtype,
+        "impl": args.impl,
     }
     if args.gen:
         result["random"] = part_random(args, spec)

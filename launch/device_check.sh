@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared accelerator check (docs/kernels.md, "Device check"): one script, at most
-# ~8 minutes on an H200, every stage under its own `timeout`, results as JSON under $OUT
+# ~9 minutes on an H200, every stage under its own `timeout`, results as JSON under $OUT
 # (written as each stage goes, so a stage killed at its limit still leaves the others').
 #
 #   bash launch/device_check.sh             # on the GPU machine ($OUT set by the tool)
@@ -10,13 +10,17 @@
 # ml-collections: what the H200 image lacks; its jax 0.11, flax, optax, orbax, triton
 # are used as they are; launch/fetch_device_wheels.sh downloads them); env (20); tests
 # (90) the GPU-only tests (jax-triton kernel vs
-# the reference, sm_90 compile); kernels (150) bench_kernels at 4k-128k x budgets
-# 16/32/64 pages (GB/s vs HBM peak, sparse vs dense decode); rollout (180)
+# the reference, sm_90 compile); kernels (120) bench_kernels at 4k-128k x budgets
+# 16/32/64 pages (GB/s vs HBM peak, sparse vs dense decode); rollout (160)
 # bench_rollout on a random Gemma-3-1B-shaped model in bf16 (decode steps at 4k and 16k,
-# dense vs distillsparse, impl auto = the Triton kernel). Sum of the limits: 470 s.
+# dense vs distillsparse, impl auto = the Triton kernel); speculative (100)
+# bench_speculative on the same model shape in bf16 (plain sampling against the
+# sparse_self, history and draft_head drafters, 256 tokens, B = 16). Sum of the limits:
+# 520 s.
 #
-# Files under $OUT (at most 8 come back): stages.json, install.log, env.json, tests.log,
-# bench_kernels.json, bench_kernels.log, bench_rollout.json, bench_rollout.log.
+# Files under $OUT (six; the device tool brings back at most eight): stages.json (each
+# stage's rc and seconds), stages.log (every stage's output, in order), env.json,
+# bench_kernels.json, bench_rollout.json, bench_speculative.json.
 set -u
 cd "$(dirname "$0")/.."
 DRY=0
@@ -28,16 +32,20 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 STAGES="$OUT/stages.json"
+LOG="$OUT/stages.log"
 echo "[]" >"$STAGES"
+: >"$LOG"
+STAGE_LOG=$(mktemp)
 
-stage() { # stage NAME SECONDS LOG COMMAND...: run under timeout, append {name, rc, s}
-    local name=$1 limit=$2 logf=$3
-    shift 3
+stage() { # stage NAME SECONDS COMMAND...: run under timeout, log it, append {name, rc, s}
+    local name=$1 limit=$2
+    shift 2
     local t0=$SECONDS
-    echo "== $name (limit ${limit}s): $*"
-    timeout -k 5 "$limit" "$@" >"$logf" 2>&1
+    echo "== $name (limit ${limit}s): $*" | tee -a "$LOG"
+    timeout -k 5 "$limit" "$@" >"$STAGE_LOG" 2>&1
     local rc=$?
-    tail -n 5 "$logf"
+    cat "$STAGE_LOG" >>"$LOG"
+    tail -n 5 "$STAGE_LOG"
     "$PY" - "$STAGES" "$name" "$rc" "$((SECONDS - t0))" "$limit" <<'EOF'
 import json, sys
 path, name, rc, s, limit = sys.argv[1:]
@@ -49,13 +57,13 @@ EOF
 }
 
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-    stage install 30 "$OUT/install.log" "$PY" -m pip install -q --no-index --no-deps \
+    stage install 30 "$PY" -m pip install -q --no-index --no-deps \
         --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 
-stage env 20 "$OUT/env.json" "$PY" -c '
-import json, platform, subprocess, jax
+stage env 20 "$PY" -c '
+import json, platform, subprocess, sys, jax
 try:
     import triton; tv = triton.__version__
 except ImportError: tv = None
@@ -65,9 +73,11 @@ except ImportError as e: jtv = "missing: %s" % e
 smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,clocks.max.sm,driver_version",
                       "--format=csv,noheader"], capture_output=True, text=True).stdout.strip() \
       if __import__("shutil").which("nvidia-smi") else None
-print(json.dumps({"python": platform.python_version(), "jax": jax.__version__,
+env = json.dumps({"python": platform.python_version(), "jax": jax.__version__,
                   "backend": jax.default_backend(), "devices": [d.device_kind for d in jax.devices()],
-                  "triton": tv, "jax_triton": jtv, "nvidia_smi": smi}, indent=1))'
+                  "triton": tv, "jax_triton": jtv, "nvidia_smi": smi}, indent=1)
+print(env)
+open(sys.argv[1], "w").write(env + "\n")' "$OUT/env.json"
 
 if [ $DRY = 1 ]; then
     TESTS=(tests/test_kernels.py::test_dispatch_resolution_and_errors)
@@ -75,6 +85,7 @@ if [ $DRY = 1 ]; then
     KARGS=(--contexts 4096 --budgets 16 --force_cpu_timing --batch 1 --kv_heads 1 --reps 2 --warmup 1 --dtype float32)
     RARGS=(--preset tiny --dtype float32 --configs dense,distillsparse:0 --skip_throughput
         --step_contexts 1024 --step_rounds 1 --step_reps 2 --floor_step 0)
+    SARGS=(--quick --head_steps 5)
 else
     TESTS=(tests/test_kernels.py tests/test_triton_compile.py -k "triton and not interpreter")
     TEST_PLATFORMS=cuda # tests/conftest.py defaults to cpu, which skips the GPU tests
@@ -82,15 +93,20 @@ else
     RARGS=(--preset gemma3_1b --dtype bfloat16 --impl auto --configs dense,distillsparse:0
         --batch 16 --skip_throughput --step_contexts 4096,16384 --step_rounds 3
         --step_reps 10 --budget 32)
+    SARGS=(--preset gemma3_1b --dtype bfloat16 --impl auto --gen 256 --batch 16 --samples 4
+        --budget 32 --head_rows 8 --head_steps 50)
 fi
 
-stage tests 90 "$OUT/tests.log" env JAX_PLATFORMS=$TEST_PLATFORMS "$PY" -m pytest -q -p no:cacheprovider -rs "${TESTS[@]}"
-stage kernels 150 "$OUT/bench_kernels.log" "$PY" launch/bench_kernels.py "${KARGS[@]}" \
+stage tests 90 env JAX_PLATFORMS=$TEST_PLATFORMS "$PY" -m pytest -q -p no:cacheprovider -rs "${TESTS[@]}"
+stage kernels 120 "$PY" launch/bench_kernels.py "${KARGS[@]}" \
     --out "$OUT/bench_kernels.json"
-stage rollout 180 "$OUT/bench_rollout.log" "$PY" launch/bench_rollout.py "${RARGS[@]}" \
+stage rollout 160 "$PY" launch/bench_rollout.py "${RARGS[@]}" \
     --out "$OUT/bench_rollout.json"
 [ -f "$OUT/bench_rollout.json.partial" ] && [ ! -f "$OUT/bench_rollout.json" ] &&
     mv "$OUT/bench_rollout.json.partial" "$OUT/bench_rollout.json"
+stage speculative 100 "$PY" launch/bench_speculative.py "${SARGS[@]}" \
+    --out "$OUT/bench_speculative.json"
 
+rm -f "$STAGE_LOG"
 echo "== stages"
 cat "$STAGES"

@@ -1,10 +1,13 @@
 """The rollout benchmark (launch/bench_rollout.py) runs end to end at toy sizes and reports
 what it measured: every part, the growing-cache rows, the ratios and the targets; so does
-launch/bench_gather_slices.py. Timings are not checked (benchmarks are not timed tests);
+launch/bench_gather_slices.py, and the prepared device check (launch/device_check.sh) runs
+every stage in its CPU dry run. Timings are not checked (benchmarks are not timed tests);
 the structure and the invariants the script itself relies on are."""
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 from model_utils import load_launch
@@ -102,3 +105,30 @@ def test_bench_gather_slices_reports_every_pair(tmp_path):
     for r in rows:
         assert r["n"] == 2 and r["same_logits_as_first"]  # slicing never changes a bit
         assert r["over_dense_at_budget"] == r["median_ms"] / r["dense_at_budget_ms"]["median_ms"]
+
+
+@pytest.mark.slow  # ~60 s: every stage of the device check at toy size, on CPU
+def test_device_check_dry_run_runs_every_stage(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+    subprocess.run(
+        ["bash", "launch/device_check.sh", "--dry-run"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        timeout=900,
+        check=False,
+    )
+    log = (tmp_path / "stages.log").read_text()
+    stages = [
+        s for s in json.loads((tmp_path / "stages.json").read_text()) if s["stage"] != "install"
+    ]
+    assert [s["stage"] for s in stages] == ["env", "tests", "kernels", "rollout", "speculative"]
+    assert all(s["rc"] == 0 for s in stages), (stages, log[-4000:])
+    assert json.loads((tmp_path / "env.json").read_text())["backend"] == "cpu"
+    assert json.loads((tmp_path / "bench_kernels.json").read_text())
+    assert json.loads((tmp_path / "bench_rollout.json").read_text())["step"]
+    spec = json.loads((tmp_path / "bench_speculative.json").read_text())
+    names = [r["name"] for r in spec["random"][0]["rows"]]
+    assert names == ["plain", "sparse_self", "history", "draft_head"]
+    assert len(list(tmp_path.iterdir())) <= 8  # what the device tool brings back
