@@ -132,3 +132,22 @@ def test_device_check_dry_run_runs_every_stage(tmp_path):
     names = [r["name"] for r in spec["random"][0]["rows"]]
     assert names == ["plain", "sparse_self", "history", "draft_head"]
     assert len(list(tmp_path.iterdir())) <= 8  # what the device tool brings back
+
+
+def test_bench_kernels_chain_runs_dependent_calls_on_their_own_pages():
+    import jax.numpy as jnp
+
+    bench = load_launch("bench_kernels")
+    q = jnp.ones((1, 2, 4), jnp.float32)
+    ids_NxBxKxP = jnp.arange(3 * 2, dtype=jnp.int32).reshape(3, 1, 1, 2)  # sums 1, 5, 9
+
+    def fn(q, k, v, pos, ids):  # the output depends on the query and on this call's pages
+        return 2.0 * q + ids.sum()
+
+    got = bench.chained(fn, 3)(q, None, None, None, ids_NxBxKxP)
+    want = q
+    for s in (1.0, 5.0, 9.0):
+        want = want + 1e-3 * (2.0 * want + s)
+    assert jnp.allclose(got, want, rtol=0, atol=1e-7)
+    dense = bench.chained(lambda q, k, v, pos: q + k, 2)(q, q, None, None, None)
+    assert jnp.allclose(dense, (q + 2e-3 * q) + 1e-3 * ((q + 2e-3 * q) + q))
