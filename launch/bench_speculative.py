@@ -107,7 +107,7 @@ def measure(
             None,
             None,
             cfg=scfg,
-            spec=dense_of(spec),
+            spec=spec.dense(),
             lora_scale=1.0,
         ).compile()
         call = lambda: compiled(params, prompts, lengths, key, None, None)
@@ -147,11 +147,6 @@ def measure(
     return row, rollout
 
 
-def dense_of(spec: AttentionSpec) -> AttentionSpec:
-    """The dense attention of spec (same implementation and page size)."""
-    return dataclasses.replace(spec, sparse=None)
-
-
 def with_ratios(rows):
     base = rows[0]["tokens_per_s"]
     for r in rows:
@@ -163,7 +158,7 @@ def step_costs(model, spec, batch, context, k, reps):
     """Seconds per call at `context` cached tokens (random prompt, dense prefill): a plain
     dense decode step, a sparse(+phi) draft step, and a dense verify of k + 1 tokens
     (Transformer.extend): the pieces of one speculative iteration."""
-    dense = dense_of(spec)
+    dense = spec.dense()
     size = buffer_length(context, k + 2, spec.page_size)
     tokens = jax.random.randint(jax.random.key(1), (batch, context), 2, model.cfg.vocab_size)
     lengths = jnp.full((batch,), context, jnp.int32)
@@ -261,11 +256,11 @@ def part_random(args, spec):
                 np.full(args.head_rows, args.prompt_len),
                 head_cfg,
                 args.head_steps,
-                dense_of(spec),
+                spec.dense(),
             )
         for draft in args.drafts:
             sc = SpeculativeConfig(draft=draft, draft_tokens=args.k, ngram=args.ngram)
-            dspec = spec if draft == "sparse_self" else dense_of(spec)
+            dspec = spec if draft == "sparse_self" else spec.dense()
             rows.append(
                 measure(
                     draft,
@@ -343,7 +338,7 @@ def part_trained(args, spec):
     bank = HistoryBank(p, args.history_per_prompt, buffer_length(width, gen, spec.page_size))
     slots = bank.slots([prompt_key(x[:n]) for x, n in zip(prompts, lengths)])
     hist_cfg = SpeculativeConfig("history", args.k, ngram=args.ngram)
-    dense = dense_of(spec)
+    dense = spec.dense()
     for epoch in (1, 2):
         row, r = measure(
             f"history (epoch {epoch})",
