@@ -156,6 +156,34 @@ def test_dense_recompute_ignores_phi_and_twin_reproduces_rollout():
         assert got == pytest.approx(v, rel=1e-4, abs=1e-6, nan_ok=True), k
 
 
+def test_kept_rows_metrics_from_all_rows_arrays():
+    """The select phase's kept-row figures (batch_metrics on the rows' arrays of an all-rows
+    recompute) equal a recompute of those rows alone, and differ from the all-rows ones."""
+    cfg, graphdef, params, r = setup()
+    lora = init_lora(cfg, LCFG, jax.random.key(0))
+    every = recompute(graphdef, params, lora, r)
+    rows = np.array([0, 2])
+    kept = jax.tree.map(lambda x: x[rows], r)
+    arrays = jax.tree.map(lambda x: x[rows], {k: v for k, v in every.items() if k != "metrics"})
+    got = distill.batch_metrics(
+        arrays,
+        kept.tokens,
+        kept.prompt_lengths,
+        kept.completion_mask,
+        kept.logprobs,
+        bin_width=REC["bin_width"],
+        num_bins=REC["num_bins"],
+    )
+    want = distill.flatten_metrics(
+        jax.device_get(recompute(graphdef, params, lora, kept)["metrics"])
+    )
+    got = distill.flatten_metrics(jax.device_get(got))
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-4, abs=1e-6, nan_ok=True), k
+    all_rows = distill.flatten_metrics(jax.device_get(every["metrics"]))
+    assert got["kl_exact"] != pytest.approx(all_rows["kl_exact"], rel=1e-3)
+
+
 def _rollout(tokens, mask, logprobs, prompt_lengths=None, page_ids=None):
     b, s = tokens.shape
     pl = np.zeros(b, np.int32) if prompt_lengths is None else prompt_lengths

@@ -112,7 +112,10 @@ def test_mode_runs_two_steps(ctx, name, overrides, monkeypatch):
             assert key in m and math.isfinite(m[key]), (key, m.get(key))
         assert m["skipped_updates"] == 0
     assert any((a != b).any() for a, b in zip(theta0, _leaves(st.params)))  # theta trained
+    # Figures over all generated rows: a copy with M = n, M = 3 rows otherwise.
+    assert math.isfinite(m["all_kl_k3"]) and math.isfinite(m["all_mu_dense_max_abs"])
     if name == "dense":
+        assert m["all_kl_k3"] == m["kl_k3"]
         assert "alpha_mean" not in m and st.lora is None
         assert m["log_ratio_max_abs"] < 1e-3  # sampler vs teacher-forced dense: numerics
         return
@@ -120,6 +123,7 @@ def test_mode_runs_two_steps(ctx, name, overrides, monkeypatch):
     # sparse policy really differs from the dense one.
     assert m["twin_mu_max_abs"] < 1e-3, m["twin_mu_max_abs"]
     assert m["kl_exact"] > 1e-6 and 0 < m["alpha_mean"] < 1
+    assert m["all_kl_exact"] > 1e-6 and m["all_kl_exact"] != m["kl_exact"]  # M = 3 > n rows
     for key in (
         "alpha_p5",
         "kl_exact_fwd",
@@ -134,7 +138,7 @@ def test_mode_runs_two_steps(ctx, name, overrides, monkeypatch):
     if name == "sparse_train":  # top-n of M by acceptance rate
         assert m["acceptance_frac_kept"] >= m["acceptance_frac_generated"]
     if name == "distillsparse":
-        for key in ("phi_loss", "phi_grad_norm", "phi_distill_kl", "time_update_phi"):
+        for key in ("phi_loss", "phi_grad_norm", "phi_distill_kl_reverse_k3", "time_update_phi"):
             assert math.isfinite(m[key]), key
         assert m["phi_skipped_updates"] == 0
         assert any((a != b).any() for a, b in zip(lora0, _leaves(st.lora)))  # phi trained

@@ -225,15 +225,25 @@ def defaults() -> ml_collections.ConfigDict:
     c.lora.max_grad_norm = 1.0
     c.lora.schedule = "constant"
 
-    # The phi update: L = L_PPO(sparse logp; old = rollout logp) + kl_coef * KL(sparse||dense).
+    # The phi update (docs/distillsparse.md, docs/speculative.md): L = [L_PPO(sparse logp;
+    # old = rollout logp)] + kl_coef * D(actor, dense teacher). "auto" takes the mode's
+    # entry of rl/modes.PHI_AUTO: distillsparse ppo+kl, cached, k3 (the paper's);
+    # speculative kl_only, recomputed (the next verifier), tv (the rejection rate).
     c.distill = ml_collections.ConfigDict()
-    c.distill.teacher = "cached"  # cached (dense logp before theta's update) | recomputed
-    c.distill.loss = "ppo+kl"  # ppo+kl | kl_only
-    c.distill.kl = "k3"  # k1 | k2 | k3 | exact_reverse | exact_forward
+    c.distill.teacher = "auto"  # cached (dense logp before theta's update) | recomputed
+    c.distill.loss = "auto"  # ppo+kl | kl_only (speculative: kl_only only)
+    # k1 | k2 | k3 (sampled; which divergence's gradient each follows depends on whose
+    # samples the rollout holds: rl/modes.DISTILL_KL) | exact_reverse | exact_forward | tv
+    c.distill.kl = "auto"
     c.distill.kl_coef = 1.0  # lambda (reference: 1e-3, which collapsed theta here; README)
 
     c.metrics = ml_collections.ConfigDict()
     c.metrics.position_bin = 256  # completion-position bin width of mismatch metrics
+    # With M > n (rl.samples_generated), the mismatch figures of the kept rows are biased
+    # (selection keeps rows near the dense policy): every this many RL steps they are also
+    # computed on all M rows, logged as all_* (the recompute then runs on M rows instead
+    # of n); 0: never. With M = n the all_* figures are the kept rows' at no cost.
+    c.metrics.all_rows_every = 1
 
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 10  # RL steps between held-out evaluations

@@ -19,8 +19,9 @@ from dsparse_jax.errors import UserError
 from dsparse_jax.model import attention_dispatch
 from dsparse_jax.model.config import PRESETS
 from dsparse_jax.model.transformer import LINEAR_NAMES
+from dsparse_jax.rl import modes
 from dsparse_jax.rl.losses import AGG_MODES
-from dsparse_jax.rl.modes import DISTILL_LOSSES, DRAFTS, KL_KINDS, MODES, TEACHERS
+from dsparse_jax.rl.modes import DRAFTS, MODES
 
 
 class ConfigError(UserError, ValueError):
@@ -414,18 +415,30 @@ def _validate_modes(c) -> None:
     _lr(c, "lora.max_grad_norm")
     _check(c.lora.warmup_steps >= 0, "lora.warmup_steps", "must be >= 0")
     _check(c.lora.schedule in ("cosine", "constant"), "lora.schedule", "must be cosine or constant")
-    d = c.distill
-    _check(d.teacher in TEACHERS, "distill.teacher", f"must be one of {TEACHERS}")
-    _check(d.loss in DISTILL_LOSSES, "distill.loss", f"must be one of {DISTILL_LOSSES}")
-    _check(d.kl in KL_KINDS, "distill.kl", f"must be one of {KL_KINDS}")
+    _validate_distill(c)
+    _positive_int(c, "metrics.position_bin")
+    _nonneg(c, "metrics.all_rows_every", integer=True)
+    _validate_prune(c)
+
+
+def _validate_distill(c) -> None:
+    """distill.*: phi's objective (rl/modes.phi_objective: the values, and the estimators and
+    terms a mode refuses), checked for the mode that trains phi (distillsparse when the
+    mode trains none: its values must still be valid)."""
+    d, r = c.distill, c.rl
+    mode = modes.get(r.rollout_mode, r.draft) if r.rollout_mode in MODES else None
+    if mode is None or not mode.updates_phi:
+        mode = MODES["distillsparse"]
+    try:
+        objective = modes.phi_objective(mode, d.loss, d.teacher, d.kl)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _check(d.kl_coef >= 0, "distill.kl_coef", "must be >= 0")
     _check(
-        d.loss != "kl_only" or d.kl_coef > 0,
+        objective.loss != "kl_only" or d.kl_coef > 0,
         "distill.kl_coef",
         "must be > 0 with distill.loss=kl_only (the loss would be zero)",
     )
-    _positive_int(c, "metrics.position_bin")
-    _validate_prune(c)
 
 
 def _validate_draft_head(c) -> None:

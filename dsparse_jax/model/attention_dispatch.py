@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 
-from dsparse_jax.attention import dense, selection, sparse
+from dsparse_jax.attention import dense, selection, self_draft, sparse
 from dsparse_jax.attention.spec import AttentionSpec, LayerInfo, interpret_mode, target_platform
 
 
@@ -126,6 +126,38 @@ def attend_decode(q_BxNxH, cache: dict, pos_B, layer: LayerInfo, spec: Attention
     )
     out = sparse_decode(q_BxNxH, cache["k"], cache["v"], pos_B, page_ids, layer, spec)
     return out, page_ids
+
+
+def attend_draft(
+    q_BxTxNxH,
+    k_own_BxTxKxH,
+    v_own_BxTxKxH,
+    k_base_BxTxKxH,
+    v_base_BxTxKxH,
+    start_BxT,
+    layer: LayerInfo,
+    spec: AttentionSpec,
+    pages=None,
+):
+    """The self-speculative drafter's attention, teacher-forced (attention/self_draft.py):
+    base keys before each query's draft-block start, its own from there; a sparse layer
+    only on its recorded pages. The XLA path on every backend."""
+    allowed = None
+    if pages is not None and spec.is_sparse_layer(layer):
+        t = q_BxTxNxH.shape[1]
+        allowed = selection.allowed_key_mask(
+            pages.page_ids[:, :t], pages.sparse_query[:, :t], t, spec.page_size
+        )
+    return self_draft.draft_attention(
+        q_BxTxNxH,
+        k_own_BxTxKxH,
+        v_own_BxTxKxH,
+        k_base_BxTxKxH,
+        v_base_BxTxKxH,
+        start_BxT,
+        layer,
+        allowed,
+    )
 
 
 def attend_extend(q_BxTxNxH, cache: dict, pos_BxT, layer: LayerInfo):

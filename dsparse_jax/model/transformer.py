@@ -131,6 +131,19 @@ class Attention(nnx.Module):
         k = apply_rope(k, pos_BxT, self.rope_base, self.rope_scale)
         return q, k, v
 
+    def draft(self, x_base_BxTxD, x_own_BxTxD, spec: AttentionSpec, pages, start_BxT, lora, scale):
+        """The self-speculative drafter, teacher-forced: (the dense stream's output, the
+        draft stream's). The base stream (no adapter, dense attention) makes the verifier's
+        keys and values; the draft stream (+ phi) attends to them before each query's
+        draft-block start and to its own from there (attend_draft)."""
+        b, t, _ = x_base_BxTxD.shape
+        pos_BxT = jnp.broadcast_to(jnp.arange(t), (b, t))
+        qb, kb, vb = self._qkv(x_base_BxTxD, pos_BxT, None, 1.0)
+        base = attention.attend_sequence(qb, kb, vb, self.info, AttentionSpec())
+        q, k, v = self._qkv(x_own_BxTxD, pos_BxT, lora, scale)
+        own = attention.attend_draft(q, k, v, kb, vb, start_BxT, self.info, spec, pages)
+        return self._out(base, None, 1.0), self._out(own, lora, scale)
+
     def _out(self, o_BxTxNxH, lora, lora_scale):
         return linear(
             o_BxTxNxH, self.o[...], 2, None if lora is None else lora.get("o"), lora_scale
@@ -208,9 +221,27 @@ class Block(nnx.Module):
         a, cache, page_ids = self.attn(
             self.pre_attn_norm(x), mode, spec, lora=lora, lora_scale=lora_scale, **kw
         )
+        return self._residual(x, a, lora, lora_scale), cache, page_ids
+
+    def _residual(self, x, a, lora, lora_scale):
+        """The block's output from its input x and attention output a."""
         x = x + self.post_attn_norm(a)
-        x = x + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x), lora, lora_scale))
-        return x, cache, page_ids
+        return x + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x), lora, lora_scale))
+
+    def draft(self, x_base, x_own, spec, pages, start_BxT, lora=None, lora_scale=1.0):
+        """The two streams of the self-speculative drafter (Attention.draft)."""
+        a_base, a_own = self.attn.draft(
+            self.pre_attn_norm(x_base),
+            self.pre_attn_norm(x_own),
+            spec,
+            pages,
+            start_BxT,
+            lora,
+            lora_scale,
+        )
+        return self._residual(x_base, a_base, None, 1.0), self._residual(
+            x_own, a_own, lora, lora_scale
+        )
 
 
 class Transformer(nnx.Module):
@@ -291,6 +322,7 @@ class Transformer(nnx.Module):
         lora_scale: float = 1.0,
         return_hidden: bool = False,
         hidden_at: int | tuple[int, ...] | None = None,
+        draft_start=None,
     ):
         """Teacher-forced logits [B, T, V] (f32).
 
@@ -298,7 +330,24 @@ class Transformer(nnx.Module):
         the spec's sparse layers attend exactly where the sampler did. return_hidden: also
         the last layer's output [B, T, D]; hidden_at = i: also layer i's output instead (a
         tuple of layers: a tuple of outputs).
+        draft_start: int32 [B, T] (Rollout.draft_start): the logits of the self-speculative
+        drafter (sparse_self) instead, the function that drafted: theta + lora with `spec`
+        on `pages`, reading the dense theta's keys and values before each position's draft
+        block and its own from the block's start (attention/self_draft.py).
         """
+        if draft_start is not None:
+            x_base = x_own = self.embed_tokens(tokens_BxT)
+            for i, block in enumerate(self.layers):
+                x_base, x_own = block.draft(
+                    x_base,
+                    x_own,
+                    spec,
+                    None if pages is None else pages.get(i),
+                    draft_start,
+                    None if lora is None else lora.get(i),
+                    lora_scale,
+                )
+            return self._logits(x_own)
         out = self._run(
             self.embed_tokens(tokens_BxT),
             "train",

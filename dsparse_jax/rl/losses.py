@@ -181,6 +181,42 @@ def exact_kl(logits_a_BxTxV, logits_b_BxTxV):
     return jnp.sum(jnp.where(support, pa * diff, 0.0), axis=-1)
 
 
+def sampled_divergence(student_logp_BxT, teacher_logp_BxT, kind, sampler, *, kl_clamp=10.0):
+    """Per-token sampled estimate of KL(sampler || other) on tokens drawn from `sampler`
+    ('student': the actor's own samples; 'teacher': the dense policy's, as in a
+    speculative rollout), teacher detached. Returns [B, T].
+
+    With s = log sampler(x) and o = log other(x):  'k1' = s - o,  'k2' = (s - o)^2 / 2,
+    'k3' = exp(o - s) - (o - s) - 1 (o - s clamped to +-20, the result to +-kl_clamp).
+    Used as a loss of the student q, the estimators' expected gradients differ from what
+    their values estimate (METHOD.md, "Distilling for acceptance"):
+      student samples: k1 -> 0; k2 -> grad KL(q || p); k3 -> grad KL(p || q);
+      teacher samples: k1 -> grad KL(p || q); k2 -> no divergence; k3 -> grad KL(p || q).
+    rl/modes.DISTILL_KL is the table of which combination trains phi towards what.
+    """
+    q_BxT = student_logp_BxT.astype(jnp.float32)
+    p_BxT = jax.lax.stop_gradient(teacher_logp_BxT).astype(jnp.float32)
+    if sampler not in ("student", "teacher"):
+        raise ValueError(f"sampler must be 'student' or 'teacher', got {sampler!r}")
+    s_BxT, o_BxT = (q_BxT, p_BxT) if sampler == "student" else (p_BxT, q_BxT)
+    if kind == "k1":
+        return s_BxT - o_BxT
+    if kind == "k2":
+        return 0.5 * jnp.square(s_BxT - o_BxT)
+    if kind == "k3":
+        r_BxT = jnp.clip(o_BxT - s_BxT, -20.0, 20.0)
+        return jnp.clip(jnp.exp(r_BxT) - r_BxT - 1.0, -kl_clamp, kl_clamp)
+    raise ValueError(f"kind must be 'k1', 'k2' or 'k3', got {kind!r}")
+
+
+def tv_distance(student_logits_BxTxV, teacher_logits_BxTxV):
+    """Total variation 1 - sum_v min(p(v), q(v)) per token [B, T]: the chance that a draft
+    from q is rejected by a verifier p (speculative sampling), in f32."""
+    q = jax.nn.softmax(student_logits_BxTxV.astype(jnp.float32), axis=-1)
+    p = jax.nn.softmax(teacher_logits_BxTxV.astype(jnp.float32), axis=-1)
+    return 1.0 - jnp.sum(jnp.minimum(p, q), axis=-1)
+
+
 def reverse_kl(student_logits_BxTxV, teacher_logits_BxTxV):
     """KL(student || teacher) per token (mode-seeking; DistillSparse's direction)."""
     return exact_kl(student_logits_BxTxV, teacher_logits_BxTxV)

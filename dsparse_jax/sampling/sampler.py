@@ -77,6 +77,8 @@ class SamplingConfig:
         "logprobs",
         "page_ids",
         "top_logprobs",
+        "draft_start",
+        "draft_logprobs",
     ],
     meta_fields=["prompt_width"],
 )
@@ -93,6 +95,12 @@ class Rollout:
     logprobs: jax.Array  # f32 [B, S], log-prob of each completion token (0 elsewhere)
     page_ids: dict  # {sparse layer: int32 [B, S, K, P]}: pages read by the query at s
     top_logprobs: Any = None  # (values f32 [B, S, k], ids int32 [B, S, k]) or None
+    # Speculative rollouts with the sparse_self drafter and record_pages: per position the
+    # start of the draft block the drafter ran it in (-1: never), and log q of each
+    # accepted draft token under the drafter (0 elsewhere): Transformer.forward's
+    # draft_start replays that function, and twin_draft_max_abs checks it.
+    draft_start: Any = None  # int32 [B, S] or None
+    draft_logprobs: Any = None  # f32 [B, S] or None
     prompt_width: int = 0
 
     @property

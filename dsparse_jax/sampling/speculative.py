@@ -74,7 +74,9 @@ class SpeculativeConfig:
     draft_tokens: int = 4  # k: tokens drafted per verify
     ngram: int = 4  # history: the longest suffix matched
     # sparse_self: one more draft step per iteration so that every decoded position has a
-    # page record (Rollout.page_ids), what the phi update's teacher-forced twin replays.
+    # page record (Rollout.page_ids), and each position's draft-block start and each
+    # accepted draft's log q (Rollout.draft_start / draft_logprobs): what the phi update's
+    # teacher-forced twin of the drafter replays (Transformer.forward(draft_start=...)).
     record_pages: bool = False
 
     def __post_init__(self):
@@ -417,9 +419,13 @@ class SpeculativeSampler:
             )
         sparse = transformer.sparse_layers(model.cfg, cache_spec) if drafter.sparse else []
         kv, p = model.cfg.num_kv_heads, cache_spec.sparse.max_pages if sparse else 0
-        page_ids = {}
+        page_ids, draft_rec = {}, {}
         if spec_cfg.record_pages:
             page_ids = {i: jnp.full((b, s, kv, p), -1, jnp.int32) for i in sparse}
+            draft_rec = {
+                "start": jnp.full((b, s), -1, jnp.int32),
+                "logq": jnp.zeros((b, s), jnp.float32),
+            }
         ncomp = jnp.ones((b,), jnp.int32)
         done = (tok == cfg.eos_id) | (cfg.max_new_tokens <= 1)
         stats = SpecStats(
@@ -432,7 +438,9 @@ class SpeculativeSampler:
         offs = jnp.arange(k + 1)[None]  # [1, k + 1]
 
         def body(st):
-            key, caches, tokens, logprobs, top, ncomp, done, page_ids, stats, head_st = st
+            key, caches, tokens, logprobs, top, ncomp, done, page_ids, draft_rec, stats, head_st = (
+                st
+            )
             key, k_draft, k_acc = jax.random.split(key, 3)
             cur = prompt_len_B + ncomp - 1  # each row's last token
             out = drafter.draft(ctx, DraftIn(tokens, cur, cur + 1, caches, k_draft, head_st))
@@ -471,6 +479,19 @@ class SpeculativeSampler:
                 )
                 for i, ids in page_ids.items()
             }
+            if draft_rec:  # each fed position's block start; log q of each accepted draft
+                start = jnp.broadcast_to(cur[:, None], fed.shape)
+                draft_rec = dict(
+                    draft_rec,
+                    start=draft_rec["start"].at[rows[:, None], fed].set(start, mode="drop"),
+                )
+                if out.probs is not None:
+                    q = jnp.take_along_axis(out.probs, out.drafts[..., None], -1)[..., 0]
+                    took = (offs[:, :k] < a[:, None]) & live[:, :k]
+                    at = jnp.where(took, cur[:, None] + 1 + offs[:, :k], s)
+                    draft_rec["logq"] = (
+                        draft_rec["logq"].at[rows[:, None], at].set(jnp.log(q), mode="drop")
+                    )
             if drafter.sparse:  # rejected entries leave the page summaries
                 caches = [
                     kv_cache.refresh_summaries(
@@ -492,11 +513,23 @@ class SpeculativeSampler:
                 head_st = _head_observe(ctx, out.head, ver[2], fed_tokens, cur, n_new)
             ncomp = ncomp + n_new
             done = done | is_eos.any(1) | (ncomp >= cfg.max_new_tokens)
-            return key, caches, tokens, logprobs, top, ncomp, done, page_ids, stats, head_st
+            return (
+                key,
+                caches,
+                tokens,
+                logprobs,
+                top,
+                ncomp,
+                done,
+                page_ids,
+                draft_rec,
+                stats,
+                head_st,
+            )
 
-        st = (key, caches, tokens, logprobs, top, ncomp, done, page_ids, stats, head_st)
+        st = (key, caches, tokens, logprobs, top, ncomp, done, page_ids, draft_rec, stats, head_st)
         st = jax.lax.while_loop(lambda st: ~jnp.all(st[6]), body, st)
-        _, caches, tokens, logprobs, top, ncomp, _, page_ids, stats, _ = st
+        _, caches, tokens, logprobs, top, ncomp, _, page_ids, draft_rec, stats, _ = st
         pos = jnp.arange(s)[None]
         mask = (pos >= prompt_len_B[:, None]) & (pos < (prompt_len_B + ncomp)[:, None])
         rollout = Rollout(
@@ -507,6 +540,8 @@ class SpeculativeSampler:
             logprobs=logprobs,
             page_ids=page_ids,
             top_logprobs=top,
+            draft_start=draft_rec.get("start"),
+            draft_logprobs=draft_rec.get("logq"),
             prompt_width=l,
         )
         return (rollout, stats, caches) if return_cache else (rollout, stats)

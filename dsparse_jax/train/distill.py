@@ -34,7 +34,7 @@ import numpy as np
 from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.parallel import sharding
 from dsparse_jax.rl import losses, mismatch
-from dsparse_jax.rl.modes import DISTILL_LOSSES, KL_KINDS
+from dsparse_jax.rl.modes import DISTILL_KL, DISTILL_LOSSES, EXACT_KINDS
 from dsparse_jax.train.steps import accumulated_update, map_row_chunks, token_logprobs
 
 
@@ -104,6 +104,27 @@ def _log_ratio_metrics(dense_logp, other_logp, mask_BxS) -> dict:
     }
 
 
+def accepted_drafts(draft_start_BxS):
+    """bool [B, S]: the tokens that are accepted drafts of the self-speculative drafter (a
+    position it ran past its block's start; the block's first token came from p)."""
+    return (draft_start_BxS >= 0) & (jnp.arange(draft_start_BxS.shape[1]) > draft_start_BxS)
+
+
+def draft_metrics(alpha_BxS, twin_logp, mask_BxS, draft_start_BxS, draft_logq_BxS, k: int):
+    """The drafter's twin against the sampler: max |twin log q - sampled log q| over the
+    accepted drafts, and per draft position j the twin's predicted acceptance (mean
+    alpha over the tokens whose distribution tested draft j: row s is drawn from position
+    s - 1, which is j - 1 past its block's start)."""
+    took = accepted_drafts(draft_start_BxS) & (mask_BxS > 0)
+    out = {"twin_draft_max_abs": jnp.max(jnp.where(took, jnp.abs(twin_logp - draft_logq_BxS), 0.0))}
+    start_prev = jnp.pad(draft_start_BxS[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+    offset = jnp.arange(draft_start_BxS.shape[1]) - 1 - start_prev
+    tested = (start_prev >= 0) & (mask_BxS > 0)
+    for j in range(k):
+        out[f"twin_accept_rate_{j + 1}"] = losses.masked_mean(alpha_BxS, tested & (offset == j))
+    return out
+
+
 def flatten_metrics(m: dict, prefix: str = "") -> dict:
     """Host floats; per-bin arrays become keys like alpha_p5_bin0, alpha_p5_bin1, ..."""
     out = {}
@@ -119,10 +140,21 @@ def flatten_metrics(m: dict, prefix: str = "") -> dict:
 
 # ------------------------------------------------------------------------------ recompute
 def token_stats(
-    params, lora, tokens_BxS, pages, *, graphdef, temperature, dense_spec, twin_spec, lora_scale
+    params,
+    lora,
+    tokens_BxS,
+    pages,
+    *,
+    graphdef,
+    temperature,
+    dense_spec,
+    twin_spec,
+    lora_scale,
+    draft_start=None,
 ) -> dict:
     """Per-token outputs of the recompute on one chunk of rows: dense_logp, dense_entropy
-    and, with a twin, twin_logp and `token_mismatch` (the [B, S, V] logits stay here)."""
+    and, with a twin, twin_logp and `token_mismatch` (the [B, S, V] logits stay here).
+    draft_start: the twin is the self-speculative drafter (Transformer.forward)."""
     dense_logp, dense_ent, dense_logits = token_logprobs(
         graphdef, params, tokens_BxS, temperature=temperature, spec=dense_spec, with_logits=True
     )
@@ -137,6 +169,7 @@ def token_stats(
             pages=pages,
             lora=lora,
             lora_scale=lora_scale,
+            draft_start=draft_start,
             with_logits=True,
         )
         out["twin_logp"] = twin_logp
@@ -155,6 +188,7 @@ def token_stats(
         "bin_width",
         "num_bins",
         "chunks",
+        "draft_tokens",
     ),
 )
 def recompute(
@@ -165,6 +199,7 @@ def recompute(
     mask_BxS,
     pages,
     rollout_logp_BxS,
+    draft=None,
     *,
     graphdef,
     temperature: float,
@@ -174,6 +209,7 @@ def recompute(
     bin_width: int = 256,
     num_bins: int = 1,
     chunks: int = 1,
+    draft_tokens: int = 0,
 ) -> dict:
     """Teacher-forced log-probs of a rollout batch, no gradient.
 
@@ -185,8 +221,15 @@ def recompute(
     own log-probs mu (numerics only). Always: mu_dense_max_abs = max |rollout_logp -
     dense_logp| (~0 where the rollout is the dense policy's: dense, speculative).
 
+    draft: (draft_start, draft_logprobs) of a speculative sparse_self rollout (Rollout):
+    the twin is then the drafter itself, twin_draft_max_abs = max |twin_logp - log q| over
+    the accepted drafts replaces twin_mu_max_abs, and twin_accept_rate_j (j = 1 ..
+    draft_tokens) is the twin's mean sum_v min(p, q) at the positions that tested draft j:
+    what the sampler's spec_accept_rate_j measures, predicted.
+
     The forwards run over `chunks` equal groups of rows in sequence (lax.map), so peak
-    memory is that of B / chunks rows; the metrics are computed over the whole batch.
+    memory is that of B / chunks rows; the metrics are computed over the whole batch
+    (`batch_metrics`). Returns the per-token arrays of `token_stats` and "metrics".
     """
     stats = map_row_chunks(
         lambda r: token_stats(
@@ -199,18 +242,48 @@ def recompute(
             dense_spec=dense_spec,
             twin_spec=twin_spec,
             lora_scale=lora_scale,
+            draft_start=r["draft_start"],
         ),
-        {"tokens": tokens_BxS, "pages": pages},
+        {"tokens": tokens_BxS, "pages": pages, "draft_start": None if draft is None else draft[0]},
         chunks,
     )
-    out = {"dense_logp": stats["dense_logp"], "dense_entropy": stats["dense_entropy"]}
+    out = dict(stats)
+    out["metrics"] = batch_metrics(
+        stats,
+        tokens_BxS,
+        prompt_lengths_B,
+        mask_BxS,
+        rollout_logp_BxS,
+        draft,
+        bin_width=bin_width,
+        num_bins=num_bins,
+        draft_tokens=draft_tokens,
+    )
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("bin_width", "num_bins", "draft_tokens"))
+def batch_metrics(
+    stats: dict,
+    tokens_BxS,
+    prompt_lengths_B,
+    mask_BxS,
+    rollout_logp_BxS,
+    draft=None,
+    *,
+    bin_width: int = 256,
+    num_bins: int = 1,
+    draft_tokens: int = 0,
+) -> dict:
+    """The recompute's metrics of a batch from its per-token outputs (`recompute`'s arrays,
+    or any subset of their rows: the kept rows of an all-rows recompute)."""
     dense_logp, m = stats["dense_logp"], mask_BxS
-    if twin_spec is None:
+    if "twin_logp" not in stats:
         k3 = losses.kl_estimate(rollout_logp_BxS, dense_logp, "k3")
         metrics = {"kl_k3": losses.masked_mean(k3, m)}
         metrics.update(_log_ratio_metrics(dense_logp, rollout_logp_BxS, m))
     else:
-        twin_logp = out["twin_logp"] = stats["twin_logp"]
+        twin_logp = stats["twin_logp"]
         metrics = mismatch_metrics(
             stats,
             dense_logp,
@@ -220,16 +293,18 @@ def recompute(
             bin_width=bin_width,
             num_bins=num_bins,
         )
-        metrics["twin_mu_max_abs"] = jnp.max(
-            jnp.where(m > 0, jnp.abs(twin_logp - rollout_logp_BxS), 0.0)
-        )
+        if draft is None:
+            metrics["twin_mu_max_abs"] = jnp.max(
+                jnp.where(m > 0, jnp.abs(twin_logp - rollout_logp_BxS), 0.0)
+            )
+        else:
+            metrics.update(draft_metrics(stats["alpha"], twin_logp, m, *draft, draft_tokens))
     # The rollout's own log-probs against dense theta: numerics only where the rollout is
     # the dense policy's (dense mode, speculative rollouts), the mismatch otherwise.
     metrics["mu_dense_max_abs"] = jnp.max(
         jnp.where(m > 0, jnp.abs(dense_logp - rollout_logp_BxS), 0.0)
     )
-    out["metrics"] = metrics
-    return out
+    return metrics
 
 
 # ------------------------------------------------------------------------------ phi update
@@ -241,30 +316,72 @@ class DistillSettings:
     lora_scale: float
     temperature: float = 1.0
     loss: str = "ppo+kl"  # ppo+kl | kl_only
-    kl: str = "k3"  # k1 | k2 | k3 | exact_reverse | exact_forward
+    kl: str = "k3"  # a key of rl/modes.DISTILL_KL
     kl_coef: float = 1e-3  # lambda
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: float | None = None
     loss_agg: str = "token-mean"
     microbatches: int = 1
+    sampler: str = "actor"  # whose samples the tokens are: actor | dense (speculative)
+    teacher: str = "cached"  # cached | recomputed (phases.update_phi)
 
     def __post_init__(self):
         if self.loss not in DISTILL_LOSSES:
             raise ValueError(f"DistillSettings.loss must be one of {DISTILL_LOSSES}")
-        if self.kl not in KL_KINDS:
-            raise ValueError(f"DistillSettings.kl must be one of {KL_KINDS}")
+        if self.kl not in DISTILL_KL or DISTILL_KL[self.kl].get(self.sampler) is None:
+            raise ValueError(
+                f"DistillSettings.kl={self.kl!r} on {self.sampler!r} samples: no divergence "
+                f"(rl/modes.DISTILL_KL)"
+            )
 
     @property
     def exact(self) -> bool:
-        return self.kl.startswith("exact")
+        return self.kl in EXACT_KINDS
+
+    @property
+    def divergence(self) -> str:
+        """The divergence (rl/modes.DIVERGENCES) whose gradient the loss term follows."""
+        return DISTILL_KL[self.kl][self.sampler]
+
+    @property
+    def value_name(self) -> str:
+        """What the logged value of the term is: a sampled estimator's value estimates
+        KL(sampler || other) (reverse on the actor's samples, forward on dense ones), an
+        exact one is its divergence."""
+        if self.exact:
+            return self.divergence
+        return {"actor": "kl_reverse", "dense": "kl_forward"}[self.sampler] + "_" + self.kl
+
+
+def _divergence_term(s: DistillSettings, logp, logits, mb: dict, teacher_params, graphdef):
+    """Per-token [B, S] divergence between the actor (logp, logits) and the detached
+    teacher: over the vocabulary from the teacher's logits, or sampled from its log-probs."""
+    if not s.exact:
+        sampler = "student" if s.sampler == "actor" else "teacher"
+        return losses.sampled_divergence(logp, mb["teacher_logp"], s.kl, sampler)
+    _, _, t_logits = token_logprobs(
+        graphdef,
+        jax.lax.stop_gradient(teacher_params),
+        mb["tokens"],
+        temperature=s.temperature,
+        with_logits=True,
+    )
+    t_logits = jax.lax.stop_gradient(t_logits)
+    exact = {
+        "exact_reverse": losses.reverse_kl,
+        "exact_forward": losses.forward_kl,
+        "tv": losses.tv_distance,
+    }
+    return exact[s.kl](logits, t_logits)
 
 
 def phi_loss_terms(lora, params, graphdef, mb: dict, s: DistillSettings, teacher_params=None):
     """(numerator, (denominator, metric sums)) of the phi loss on one microbatch.
 
     mb: tokens, mask, adv [B], rollout_logp (mu: the PPO term's old log-probs), pages,
-    and teacher_logp (k-estimators) — or teacher_params (exact KLs)."""
+    draft_start (speculative sparse_self: the twin is the drafter, Transformer.forward)
+    and teacher_logp (sampled estimators) — or teacher_params (exact divergences)."""
     params = jax.lax.stop_gradient(params)
     logp, _, logits = token_logprobs(
         graphdef,
@@ -275,6 +392,7 @@ def phi_loss_terms(lora, params, graphdef, mb: dict, s: DistillSettings, teacher
         pages=mb["pages"],
         lora=lora,
         lora_scale=s.lora_scale,
+        draft_start=mb.get("draft_start"),
         with_logits=True,
     )
     mask = mb["mask"]
@@ -292,26 +410,12 @@ def phi_loss_terms(lora, params, graphdef, mb: dict, s: DistillSettings, teacher
     else:
         num, den = losses.aggregate(jnp.zeros_like(logp), mask, s.loss_agg)
         metrics = {"num_tokens": jnp.sum(mask.astype(jnp.float32))}
-    if s.exact:
-        _, _, t_logits = token_logprobs(
-            graphdef,
-            jax.lax.stop_gradient(teacher_params),
-            mb["tokens"],
-            temperature=s.temperature,
-            with_logits=True,
-        )
-        t_logits = jax.lax.stop_gradient(t_logits)
-        kl = (
-            losses.reverse_kl(logits, t_logits)
-            if s.kl == "exact_reverse"
-            else losses.forward_kl(logits, t_logits)
-        )
-    else:
-        kl = losses.kl_estimate(logp, mb["teacher_logp"], s.kl)
-    kl_num, _ = losses.aggregate(kl, mask, s.loss_agg)
+    div = _divergence_term(s, logp, logits, mb, teacher_params, graphdef)
+    div_num, _ = losses.aggregate(div, mask, s.loss_agg)
     metrics["ppo_num"] = jax.lax.stop_gradient(num)
-    num = num + s.kl_coef * kl_num
-    metrics["distill_kl_sum"] = losses.masked_sum_count(jax.lax.stop_gradient(kl), mask)[0]
+    num = num + s.kl_coef * div_num
+    value = losses.masked_sum_count(jax.lax.stop_gradient(div), mask)[0]
+    metrics[f"distill_{s.value_name}_sum"] = value
     metrics["loss_num"] = jax.lax.stop_gradient(num)
     metrics["loss_den"] = den
     return num, (den, metrics)

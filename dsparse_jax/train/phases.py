@@ -112,6 +112,12 @@ def _chunks(setup: RLSetup, rows: int) -> int:
     return math.gcd(rows, setup.recompute_chunks)
 
 
+def _draft_record(r: Rollout):
+    """(draft_start, draft_logprobs) of a speculative sparse_self rollout, else None: the
+    actor's twin is then the drafter (distill.recompute)."""
+    return None if r.draft_start is None else (r.draft_start, r.draft_logprobs)
+
+
 def _recompute_rollout(ctx: RunContext, setup: RLSetup, st: TrainState, r: Rollout) -> dict:
     return distill.recompute(
         st.params,
@@ -121,14 +127,23 @@ def _recompute_rollout(ctx: RunContext, setup: RLSetup, st: TrainState, r: Rollo
         r.completion_mask,
         r.pages(),
         r.logprobs,
+        _draft_record(r),
         graphdef=ctx.graphdef,
         temperature=ctx.config.rl.temperature,
         dense_spec=ctx.spec,
         twin_spec=setup.twin_spec,
         lora_scale=setup.lora_scale,
+        chunks=_chunks(setup, r.tokens.shape[0]),
+        **_metric_settings(ctx, setup),
+    )
+
+
+def _metric_settings(ctx: RunContext, setup: RLSetup) -> dict:
+    """The static settings of the recompute's metrics (distill.batch_metrics)."""
+    return dict(
         bin_width=ctx.config.metrics.position_bin,
         num_bins=setup.num_bins,
-        chunks=_chunks(setup, r.tokens.shape[0]),
+        draft_tokens=0 if setup.speculative is None else setup.speculative.draft_tokens,
     )
 
 
@@ -351,10 +366,31 @@ def sample_records(gen: Generated, scored: Scored, count: int) -> list[dict]:
     ]
 
 
+def _all_rows_step(ctx, step: int) -> bool:
+    """Whether this RL step's mismatch figures are also computed on all M generated rows
+    (metrics.all_rows_every; 0: never)."""
+    every = ctx.config.metrics.all_rows_every
+    return every > 0 and step % every == 0
+
+
+def _batch_metrics(ctx, setup: RLSetup, r: Rollout, rec: dict) -> dict:
+    """distill.batch_metrics of the rows of `r` from their recompute arrays `rec`."""
+    return distill.batch_metrics(
+        rec,
+        r.tokens,
+        r.prompt_lengths,
+        r.completion_mask,
+        r.logprobs,
+        _draft_record(r),
+        **_metric_settings(ctx, setup),
+    )
+
+
 def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key, step: int):
     """The oversampling filter keeps n of each prompt's M samples (rl.selection); GRPO
-    advantages over the kept n. Selection by acceptance rate recomputes all M rows first
-    (the recompute phase then reuses the kept rows' results)."""
+    advantages over the kept n. Selection by acceptance rate, and with M > n every
+    metrics.all_rows_every steps, recomputes all M rows first: their mismatch figures are
+    logged as all_*, and the recompute phase reuses the kept rows' arrays."""
     c, plan, n, big_m = ctx.config.rl, setup.plan, setup.n, setup.m
     r = gen.rollout
     rec = None
@@ -363,8 +399,8 @@ def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key
         generated = int(sharding.to_host(gen.prune.tokens_generated))
         kept_rows = pruned_kept_rows(len(rewards_all), setup.prune)
         r, rewards_all = gather_rows(r, kept_rows, plan), rewards_all[kept_rows]
-    if big_m > n and c.selection == "acceptance":  # needs the dense forward of all M
-        rec = _recompute_rollout(ctx, setup, st, r)
+    if big_m > n and (c.selection == "acceptance" or _all_rows_step(ctx, step)):
+        rec = _recompute_rollout(ctx, setup, st, r)  # all M rows
     rows, metrics = select_rows(
         rewards_all,
         n,
@@ -380,11 +416,10 @@ def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key
         kept, rewards = gather_rows(r, rows, plan), rewards_all[rows]
     if plan is not None:
         kept = plan.shard_batch(kept)
-    if rec is not None:  # the metrics stay those of all M rows
-        rec = dict(
-            gather_rows({k: v for k, v in rec.items() if k != "metrics"}, rows, plan),
-            metrics=rec["metrics"],
-        )
+    if rec is not None:  # all M rows' figures as all_*; the kept rows' from their arrays
+        metrics.update(distill.flatten_metrics(jax.device_get(rec["metrics"]), "all_"))
+        rec = gather_rows({k: v for k, v in rec.items() if k != "metrics"}, rows, plan)
+        rec["metrics"] = _batch_metrics(ctx, setup, kept, rec)
     adv_B = grpo_advantages(jnp.asarray(rewards), n, scale_by_std=c.scale_adv_by_std)
     adv_B = sharding.as_global(plan, adv_B)
     if faults.action("rl_nan", step + 1) == "nan":  # test hook: a non-finite loss
@@ -480,12 +515,15 @@ def recompute(ctx, setup: RLSetup, st: TrainState, sel: Selected, ref_params):
             chunks=_chunks(setup, kept.tokens.shape[0]),
         )
     teacher_logp = teacher_params = None
-    if setup.mode.updates_phi and ctx.config.distill.teacher == "cached":
+    if setup.mode.updates_phi and setup.distill.teacher == "cached":
         if setup.distill.exact:  # the teacher's full logits: theta before its update
             teacher_params = jax.tree.map(jnp.copy, st.params)
         else:
             teacher_logp = rec["dense_logp"]
-    metrics.update(distill.flatten_metrics(jax.device_get(rec["metrics"])))
+    flat = distill.flatten_metrics(jax.device_get(rec["metrics"]))
+    metrics.update(flat)
+    if setup.m == setup.n:  # the kept rows are all the generated rows
+        metrics.update({"all_" + k: v for k, v in flat.items()})
     return Recomputed(batch, teacher_logp, teacher_params), metrics
 
 
@@ -534,9 +572,10 @@ def update_draft_head(ctx, setup: RLSetup, st: TrainState, batch: dict, key, pre
 
 
 def update_phi(ctx, setup: RLSetup, st: TrainState, sel: Selected, rec: Recomputed, key):
-    """theta frozen (st.params is the updated theta): phi's L_PPO + lambda KL updates on
-    the same rollouts, against the dense teacher (distill.teacher: cached before theta's
-    update, or recomputed with the updated theta)."""
+    """theta frozen (st.params is the updated theta): phi's updates on the same rollouts
+    (setup.distill: [L_PPO +] lambda D(actor, teacher)), against the dense teacher (cached
+    before theta's update, or recomputed with the updated theta). In a speculative
+    sparse_self rollout the actor's twin is the drafter (batch key draft_start)."""
     c, kept = ctx.config.rl, sel.kept
     phi_batch = {
         "tokens": kept.tokens,
@@ -545,8 +584,10 @@ def update_phi(ctx, setup: RLSetup, st: TrainState, sel: Selected, rec: Recomput
         "rollout_logp": kept.logprobs,
         "pages": kept.pages(),
     }
+    if kept.draft_start is not None:
+        phi_batch["draft_start"] = kept.draft_start
     teacher_params = rec.teacher_params
-    if ctx.config.distill.teacher == "recomputed":
+    if setup.distill.teacher == "recomputed":
         if setup.distill.exact:  # the teacher's full logits come from a forward in the step
             teacher_params = st.params
         else:  # dense log-probs of the updated theta

@@ -161,12 +161,15 @@ def make_setup(ctx: RunContext) -> RLSetup:
     if mode.updates_phi:
         lora_tx = optimizer_from(ctx.config.lora, total_steps=c.num_steps)
         d = ctx.config.distill
+        objective = modes.phi_objective(mode, d.loss, d.teacher, d.kl)
         dset = distill.DistillSettings(
             spec=rollout_spec,
             lora_scale=lora_scale,
             temperature=c.temperature,
-            loss=d.loss,
-            kl=d.kl,
+            loss=objective.loss,
+            kl=objective.kl,
+            sampler=objective.sampler,
+            teacher=objective.teacher,
             kl_coef=d.kl_coef,
             clip_low=c.clip_low,
             clip_high=c.clip_high,

@@ -28,15 +28,19 @@ def token_logprobs(
     pages=None,
     lora=None,
     lora_scale: float = 1.0,
+    draft_start=None,
     with_logits: bool = False,
 ):
     """Teacher-forced log p(token_s | tokens_<s) under log_softmax(logits / temperature).
 
-    Returns (logp_BxS, entropy_BxS) and, if with_logits, the scaled logits [B, S, V]
-    aligned the same way (row s = the distribution token s was drawn from).
+    draft_start: the self-speculative drafter's record (Transformer.forward). Returns
+    (logp_BxS, entropy_BxS) and, if with_logits, the scaled logits [B, S, V] aligned the
+    same way (row s = the distribution token s was drawn from).
     """
     model = nnx.merge(graphdef, params)
-    logits = model.forward(tokens_BxS, spec, pages=pages, lora=lora, lora_scale=lora_scale)
+    logits = model.forward(
+        tokens_BxS, spec, pages=pages, lora=lora, lora_scale=lora_scale, draft_start=draft_start
+    )
     logits = logits / max(temperature, 1e-6)
     logits = jnp.pad(logits[:, :-1], ((0, 0), (1, 0), (0, 0)))  # row s predicts token s
     logp_all = jax.nn.log_softmax(logits, axis=-1)
