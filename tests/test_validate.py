@@ -44,7 +44,9 @@ CASES = [
     ("lora.learning_rate", 0.0, "must be finite and > 0"),
     ("rl.max_grad_norm", math.nan, "must be finite and > 0"),
     ("lora.weight_decay", -0.1, "must be finite and >= 0"),
-    ("rl.warmup_steps", -1, "must be an integer >= 0"),
+    ("rl.warmup_steps", -1, "must be finite and >= 0"),  # RL steps: a fraction allowed
+    ("lora.warmup_steps", -0.5, "must be finite and >= 0"),
+    ("lora.warmup_steps", math.inf, "must be finite and >= 0"),
     ("rl.temperature", math.inf, "must be finite and > 0"),
     # batch structure, and the batch divisible by the mesh's batch axes (data x fsdp)
     ("rl.minibatches", 3, "must divide the rollout batch"),

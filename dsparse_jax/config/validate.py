@@ -160,7 +160,6 @@ def validate(c) -> None:
         _lr(c, f)
     for f in (
         "sft.warmup_steps",
-        "rl.warmup_steps",
         "sft.max_consecutive_skips",
         "rl.max_consecutive_skips",
         "rl.grow_buffer_from",
@@ -169,7 +168,13 @@ def validate(c) -> None:
         "log.num_samples",
     ):
         _nonneg(c, f, integer=True)
-    for f in ("sft.weight_decay", "rl.weight_decay", "lora.weight_decay"):
+    for f in (
+        "sft.weight_decay",
+        "rl.weight_decay",
+        "lora.weight_decay",
+        "rl.warmup_steps",  # RL steps: a fraction allowed
+        "lora.warmup_steps",
+    ):
         _nonneg(c, f)
     _check(
         isinstance(c.task.format_reward, (int, float))
@@ -412,7 +417,6 @@ def _validate_modes(c) -> None:
     )
     _lr(c, "lora.learning_rate")
     _lr(c, "lora.max_grad_norm")
-    _check(c.lora.warmup_steps >= 0, "lora.warmup_steps", "must be >= 0")
     _check(c.lora.schedule in ("cosine", "constant"), "lora.schedule", "must be cosine or constant")
     d = c.distill
     _check(d.teacher in TEACHERS, "distill.teacher", f"must be one of {TEACHERS}")
