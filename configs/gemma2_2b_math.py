@@ -50,6 +50,7 @@ def get_config():
     c.rl.prompts_per_step = 32
     c.rl.num_steps = 500
     c.rl.minibatches = 4
+    c.rl.warmup_steps = 1.25  # RL steps: the 5 optimizer steps this config always had
     c.rl.microbatches = 8
     c.eval.every = 25
     c.eval.num_problems = 500  # MATH-500-sized held-out set

@@ -261,7 +261,7 @@ def cmd_distill(lab: Lab, args, save) -> dict:
             )
             lcfg = c.lora.copy_and_resolve_references()
             lcfg.learning_rate = lr
-            tx = rl_state.optimizer_from(lcfg, total_steps=args.steps)
+            tx = rl_state.optimizer_from(lcfg, 1, args.steps)  # a step: one update
             lora = init_lora(lab.ctx.model_cfg, lab.ctx.lora_cfg, jax.random.key(c.seed + 3))
             opt = tx.init(lora)
             if not settings.exact:  # k-estimators need the dense teacher's log-probs

@@ -120,6 +120,20 @@ CASES = [
         "config.distill.kl_coef",
     ),
     ("bad_mesh", ["--config.mesh.data=3"], "config.mesh.data"),
+    (
+        "prune_in_speculative",
+        ["--config.rl.rollout_mode=speculative", "--config.rl.prune.enabled=true"],
+        "config.rl.prune.enabled: must be false with rl.rollout_mode=speculative",
+    ),
+    (
+        "acceptance_of_dense_rollouts",
+        [
+            "--config.rl.rollout_mode=dense",
+            "--config.rl.selection=acceptance",
+            "--config.rl.samples_generated=16",
+        ],
+        "config.rl.selection: acceptance needs a sparse actor",
+    ),
     ("unknown_synthetic", ["--config.data.source=synthetic:sudoku"], "config.data.source"),
     (
         "missing_tokenizer",

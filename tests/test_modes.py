@@ -11,11 +11,12 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from dsparse_jax.config.validate import ConfigError, load_config, validate
 from dsparse_jax.data import rewards
-from dsparse_jax.train import context, phases, rl_loop
+from dsparse_jax.train import context, phases, rl_loop, rl_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,6 +53,18 @@ def _with(ctx, **rl):
 
 def _leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def optimizer_steps_taken(opt_state) -> int:
+    """The optimizer steps behind an optimizer state: its Adam count."""
+    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
+    (adam,) = [s for s in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(s)]
+    return int(adam.count)
+
+
+def steps_per_rl_step(run, trainable: str) -> int:
+    """The optimizer steps `trainable` takes per RL step, as its schedule counts them."""
+    return rl_state.optimizer_steps_per_rl_step(run.config.rl)[trainable]
 
 
 def fake_score(tok, rollout, problems, rewarder=None, where=""):
@@ -112,6 +125,7 @@ def test_mode_runs_two_steps(ctx, name, overrides, monkeypatch):
             assert key in m and math.isfinite(m[key]), (key, m.get(key))
         assert m["skipped_updates"] == 0
     assert any((a != b).any() for a, b in zip(theta0, _leaves(st.params)))  # theta trained
+    assert optimizer_steps_taken(st.opt_state) == 2 * steps_per_rl_step(run, "theta")
     # Figures over all generated rows: a copy with M = n, M = 3 rows otherwise.
     assert math.isfinite(m["all_kl_k3"]) and math.isfinite(m["all_mu_dense_max_abs"])
     if name == "dense":
@@ -142,6 +156,7 @@ def test_mode_runs_two_steps(ctx, name, overrides, monkeypatch):
             assert math.isfinite(m[key]), key
         assert m["phi_skipped_updates"] == 0
         assert any((a != b).any() for a, b in zip(lora0, _leaves(st.lora)))  # phi trained
+        assert optimizer_steps_taken(st.lora_opt_state) == 2 * steps_per_rl_step(run, "phi")
     else:
         assert st.lora is None and "phi_loss" not in m and "time_update_phi" not in m
 
@@ -207,6 +222,8 @@ def _check_draft_head(run, setup, st, m, rng, tmp_path):
 
     assert st.lora is None and "phi_loss" not in m
     assert m["draft_head_loss_after"] < m["draft_head_loss"] and m["time_update_draft_head"] > 0
+    want = 2 * steps_per_rl_step(run, "draft_head")  # after two RL steps
+    assert optimizer_steps_taken(st.draft_head_opt_state) == want
     fresh = rl_loop.init_state(run, setup, run.init_params)
     assert any((a != b).any() for a, b in zip(_leaves(fresh.draft_head), _leaves(st.draft_head)))
     ckpt = checkpoints.Checkpointer(str(tmp_path), "ck")

@@ -248,6 +248,7 @@ def test_rl_step_with_pruning_trains_the_head_and_checkpoints_it(tmp_path, monke
 
     from dsparse_jax.reliability import checkpoints
     from dsparse_jax.train import phases, rl_loop
+    from tests.test_modes import optimizer_steps_taken, steps_per_rl_step
 
     monkeypatch.setattr(phases, "grade", binary_score)
     run = _prune_run()
@@ -273,6 +274,8 @@ def test_rl_step_with_pruning_trains_the_head_and_checkpoints_it(tmp_path, monke
         assert key in m and math.isfinite(m[key]), (key, m.get(key))
     assert "prune_head_auc" in m and m["skipped_updates"] == 0
     assert m["prune_head_loss_after"] < m["prune_head_loss"]
+    steps = 2 * steps_per_rl_step(run, "quality_head")  # after two RL steps
+    assert optimizer_steps_taken(st.head_opt_state) == steps
     assert m["tokens_generated"] == m["prune_tokens_generated"] > m["tokens_trained"]
     assert any(
         (np.asarray(a) != b).any() for a, b in zip(jax.tree.leaves(st.head), jax.tree.leaves(head0))

@@ -44,7 +44,9 @@ CASES = [
     ("lora.learning_rate", 0.0, "must be finite and > 0"),
     ("rl.max_grad_norm", math.nan, "must be finite and > 0"),
     ("lora.weight_decay", -0.1, "must be finite and >= 0"),
-    ("rl.warmup_steps", -1, "must be an integer >= 0"),
+    ("rl.warmup_steps", -1, "must be finite and >= 0"),  # RL steps: a fraction allowed
+    ("lora.warmup_steps", -0.5, "must be finite and >= 0"),
+    ("lora.warmup_steps", math.inf, "must be finite and >= 0"),
     ("rl.temperature", math.inf, "must be finite and > 0"),
     # batch structure, and the batch divisible by the mesh's batch axes (data x fsdp)
     ("rl.minibatches", 3, "must divide the rollout batch"),
@@ -83,6 +85,65 @@ def test_bad_value_names_the_field(field, value, message):
     assert text.startswith(f"config.{field}: "), text
     assert message in text, text
     assert "\n" not in text
+
+
+# Settings that contradict the rollout mode or each other (validate.CONFLICTS): the
+# overrides, the field named and the text after "config.<field>: ".
+SPEC = {"rl.rollout_mode": "speculative"}
+M2N = {"rl.samples_generated": 16}  # M = 2n
+ACCEPTANCE = {"rl.selection": "acceptance", **M2N}
+SPARSE_ACTOR = "acceptance needs a sparse actor"
+CONFLICTS = [
+    ({**SPEC, "rl.prune.enabled": True}, "rl.prune.enabled", "must be false with rl.rollout_mode"),
+    ({**SPEC, "rl.grow_buffer_from": 64}, "rl.grow_buffer_from", "must be 0 with rl.rollout_mode"),
+    ({**SPEC, **ACCEPTANCE}, "rl.selection", SPARSE_ACTOR),
+    ({**SPEC, "rl.draft": "history", **ACCEPTANCE}, "rl.selection", SPARSE_ACTOR),
+    ({"rl.rollout_mode": "dense", **ACCEPTANCE}, "rl.selection", SPARSE_ACTOR),
+    ({"rl.selection": "acceptance"}, "rl.selection", "acceptance keeps n of M > n samples"),
+    (
+        {"rl.selection": "acceptance", "rl.prune.enabled": True},
+        "rl.selection",
+        "acceptance keeps n of M > n samples",
+    ),
+    ({"rl.draft": "history"}, "rl.draft", "is read only with rl.rollout_mode=speculative"),
+    ({"rl.draft": "draft_head", "rl.rollout_mode": "sparse"}, "rl.draft", "is read only"),
+]
+# Neighbours of the refused pairs that make sense and stay allowed.
+ALLOWED = [
+    {"rl.rollout_mode": mode, **ACCEPTANCE} for mode in ("sparse", "sparse_train", "distillsparse")
+] + [
+    {**SPEC, "rl.draft": "history", **M2N},  # reward selection of exact rollouts
+    {**SPEC, "rl.is_correction": "tis"},  # a no-op on exact rollouts, harmless
+    {"rl.rollout_mode": "dense", "rl.prune.enabled": True},
+    {"rl.rollout_mode": "sparse", "rl.grow_buffer_from": 64},
+]
+
+
+def _override(overrides: dict):
+    c = default()
+    for field, value in overrides.items():
+        _set(c, field, value)
+    return c
+
+
+@pytest.mark.parametrize(
+    "overrides,field,message",
+    CONFLICTS,
+    ids=[",".join(map(str, o.values())) for o, *_ in CONFLICTS],
+)
+def test_contradictory_settings_name_the_field(overrides, field, message):
+    with pytest.raises(ConfigError) as e:
+        validate(_override(overrides))
+    text = str(e.value)
+    assert text.startswith(f"config.{field}: "), text
+    assert message in text and "\n" not in text, text
+
+
+@pytest.mark.parametrize(
+    "overrides", ALLOWED, ids=[",".join(map(str, o.values())) for o in ALLOWED]
+)
+def test_compatible_settings_are_allowed(overrides):
+    validate(_override(overrides))
 
 
 @pytest.mark.parametrize(

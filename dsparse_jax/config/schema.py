@@ -143,8 +143,12 @@ def defaults() -> ml_collections.ConfigDict:
     # peak 1.5x the cache at the last growth; sampling/sampler.py buffer_schedule).
     c.rl.grow_buffer_from = 0
     c.rl.learning_rate = 1e-4  # 3e-4 collapsed distillsparse after ~10 steps (README Status)
-    c.rl.warmup_steps = 5
-    c.rl.schedule = "constant"
+    # theta's schedule, in RL steps (each rl.minibatches optimizer steps; train/rl_state.py
+    # optimizer_steps_per_rl_step): a linear warmup (a fraction allowed, rounded to whole
+    # optimizer steps; 2.5 = the 5 optimizer steps of every earlier result at
+    # rl.minibatches=2), then constant or a cosine decay to 10% at rl.num_steps.
+    c.rl.warmup_steps = 2.5
+    c.rl.schedule = "constant"  # constant | cosine
     c.rl.weight_decay = 0.0
     c.rl.max_grad_norm = 1.0
     c.rl.minibatches = 2  # optimizer steps per rollout batch
@@ -220,10 +224,12 @@ def defaults() -> ml_collections.ConfigDict:
     c.lora.alpha = 16.0
     c.lora.targets = "all"  # comma list of q,k,v,o,gate,up,down (or all | attn | mlp)
     c.lora.learning_rate = 1e-3
-    c.lora.warmup_steps = 0
+    # phi's own schedule, in RL steps like rl.warmup_steps (phi takes rl.minibatches
+    # optimizer steps per RL step): warmup, then constant or cosine to 10% at rl.num_steps.
+    c.lora.warmup_steps = 0.0
     c.lora.weight_decay = 0.0
     c.lora.max_grad_norm = 1.0
-    c.lora.schedule = "constant"
+    c.lora.schedule = "constant"  # constant | cosine
 
     # The phi update (docs/distillsparse.md, docs/speculative.md): L = [L_PPO(sparse logp;
     # old = rollout logp)] + kl_coef * D(actor, dense teacher). "auto" takes the mode's

@@ -161,7 +161,6 @@ def validate(c) -> None:
         _lr(c, f)
     for f in (
         "sft.warmup_steps",
-        "rl.warmup_steps",
         "sft.max_consecutive_skips",
         "rl.max_consecutive_skips",
         "rl.grow_buffer_from",
@@ -170,7 +169,13 @@ def validate(c) -> None:
         "log.num_samples",
     ):
         _nonneg(c, f, integer=True)
-    for f in ("sft.weight_decay", "rl.weight_decay", "lora.weight_decay"):
+    for f in (
+        "sft.weight_decay",
+        "rl.weight_decay",
+        "lora.weight_decay",
+        "rl.warmup_steps",  # RL steps: a fraction allowed
+        "lora.warmup_steps",
+    ):
         _nonneg(c, f)
     _check(
         isinstance(c.task.format_reward, (int, float))
@@ -216,6 +221,7 @@ def validate(c) -> None:
         "needs the wandb package (pip install wandb; not in requirements.txt)",
     )
     _validate_modes(c)
+    _validate_conflicts(c)
     _validate_shapes(c)
 
 
@@ -354,11 +360,6 @@ def _validate_modes(c) -> None:
         _positive_int(c, "rl.history_per_prompt")
         if r.draft == "draft_head":
             _validate_draft_head(c)
-        _check(
-            r.grow_buffer_from == 0,
-            "rl.grow_buffer_from",
-            "must be 0 with rollout_mode=speculative (one cache buffer)",
-        )
     _check(r.selection in ("reward", "acceptance"), "rl.selection", "must be reward or acceptance")
     _check(r.acceptance_C > 0, "rl.acceptance_C", "must be > 0")
     _check(
@@ -413,7 +414,6 @@ def _validate_modes(c) -> None:
     )
     _lr(c, "lora.learning_rate")
     _lr(c, "lora.max_grad_norm")
-    _check(c.lora.warmup_steps >= 0, "lora.warmup_steps", "must be >= 0")
     _check(c.lora.schedule in ("cosine", "constant"), "lora.schedule", "must be cosine or constant")
     _validate_distill(c)
     _positive_int(c, "metrics.position_bin")
@@ -463,6 +463,49 @@ def _validate_draft_head(c) -> None:
     _check(h.loss_weight > 0, "rl.draft_head.loss_weight", "must be > 0")
     _positive_int(c, "rl.draft_head.steps")
     _nonneg(c, "rl.draft_head.warmup_steps", integer=True)
+
+
+# Settings that contradict the rollout mode (rl/modes.py properties) or each other:
+# (field, refused(config.rl, mode), why). Each would otherwise be ignored in silence, make
+# a meaningless choice, or fail only inside the first RL step.
+CONFLICTS = (
+    (
+        "rl.prune.enabled",
+        lambda r, mode: r.prune.enabled and mode.speculative,
+        "must be false with rl.rollout_mode=speculative (its rollout never prunes)",
+    ),
+    (
+        "rl.grow_buffer_from",
+        lambda r, mode: r.grow_buffer_from > 0 and mode.speculative,
+        "must be 0 with rl.rollout_mode=speculative (its loop uses one cache buffer)",
+    ),
+    (
+        "rl.selection",
+        lambda r, mode: r.selection == "acceptance" and (mode.speculative or not mode.has_twin),
+        "acceptance needs a sparse actor (rl.rollout_mode sparse, sparse_train or "
+        "distillsparse): dense and speculative rollouts are the dense policy's own, every "
+        "token passes and the selection would be random",
+    ),
+    (
+        "rl.selection",
+        lambda r, mode: r.selection == "acceptance" and r.samples_generated <= r.samples_per_prompt,
+        "acceptance keeps n of M > n samples per prompt: needs rl.samples_generated > "
+        "rl.samples_per_prompt (with M = n, as rl.prune.enabled has, every row is kept)",
+    ),
+    (
+        "rl.draft",
+        lambda r, mode: r.draft != schema.defaults().rl.draft and not mode.speculative,
+        "is read only with rl.rollout_mode=speculative (elsewhere leave it at its default)",
+    ),
+)
+
+
+def _validate_conflicts(c) -> None:
+    """No setting contradicts the rollout mode or another setting (CONFLICTS)."""
+    r = c.rl
+    mode = modes.get(r.rollout_mode, r.draft)
+    for field, refused, why in CONFLICTS:
+        _check(not refused(r, mode), field, why)
 
 
 def prune_positions(text: str) -> tuple[int, ...]:

@@ -43,14 +43,33 @@ def settings_from(c, spec: AttentionSpec = AttentionSpec()) -> GRPOSettings:
     )
 
 
-def optimizer_from(c, total_steps: int | None = None):
+def optimizer_steps_per_rl_step(rl) -> dict[str, int]:
+    """The optimizer steps each trainable takes in one RL step (rl: the config's rl
+    section). Microbatches accumulate inside one step, so theta and phi take one per
+    minibatch, the draft head rl.draft_head.steps per minibatch and the quality head
+    rl.prune.head_steps. Schedules are stated in RL steps in the config and converted with
+    these counts (`optimizer_from`); the heads' learning rates are constant, so their
+    counts convert nothing (tests/test_modes.py and test_pruning.py check all four against
+    the phases)."""
+    return {
+        "theta": rl.minibatches,
+        "phi": rl.minibatches,
+        "draft_head": rl.minibatches * rl.draft_head.steps,
+        "quality_head": rl.prune.head_steps,
+    }
+
+
+def optimizer_from(section, per_rl_step: int, num_rl_steps: int):
+    """AdamW of a config section (rl: theta, lora: phi) whose warmup_steps and cosine decay
+    (over num_rl_steps) are RL steps of `per_rl_step` optimizer steps each; the warmup is
+    rounded to whole optimizer steps."""
     return steps.make_optimizer(
-        c.learning_rate,
-        warmup_steps=c.warmup_steps,
-        total_steps=total_steps or c.num_steps,
-        weight_decay=c.weight_decay,
-        max_grad_norm=c.max_grad_norm,
-        schedule=c.schedule,
+        section.learning_rate,
+        warmup_steps=round(section.warmup_steps * per_rl_step),
+        total_steps=num_rl_steps * per_rl_step,
+        weight_decay=section.weight_decay,
+        max_grad_norm=section.max_grad_norm,
+        schedule=section.schedule,
     )
 
 
@@ -157,9 +176,10 @@ def make_setup(ctx: RunContext) -> RLSetup:
     rollout_spec = ctx.rollout_spec if mode.actor_sparse else ctx.spec
     trainer_spec = rollout_spec if mode.trainer_sparse else ctx.spec
     lora_scale = ctx.lora_cfg.scale if mode.actor_lora else 1.0
+    per_rl_step = optimizer_steps_per_rl_step(c)
     lora_tx, dset = None, None
     if mode.updates_phi:
-        lora_tx = optimizer_from(ctx.config.lora, total_steps=c.num_steps)
+        lora_tx = optimizer_from(ctx.config.lora, per_rl_step["phi"], c.num_steps)
         d = ctx.config.distill
         objective = modes.phi_objective(mode, d.loss, d.teacher, d.kl)
         dset = distill.DistillSettings(
@@ -200,7 +220,7 @@ def make_setup(ctx: RunContext) -> RLSetup:
         mode=mode,
         n=n,
         m=m,
-        tx=optimizer_from(c),
+        tx=optimizer_from(c, per_rl_step["theta"], c.num_steps),
         settings=settings_from(c, trainer_spec),
         rollout_spec=rollout_spec,
         twin_spec=rollout_spec if mode.has_twin else None,
