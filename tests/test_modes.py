@@ -16,6 +16,7 @@ import pytest
 
 from dsparse_jax.config.validate import ConfigError, load_config, validate
 from dsparse_jax.data import rewards
+from dsparse_jax.rl import modes
 from dsparse_jax.train import context, phases, rl_loop, rl_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,9 +90,13 @@ CASES = [
             rl__is_correction="tis",
             rl__samples_generated=3,
             rl__selection="acceptance",
+            metrics__twin_every=0,  # ignored: the sparse trainer's old log-probs are the twin's
         ),
     ),
-    ("distillsparse", dict(rl__rollout_mode="distillsparse", rl__samples_generated=3)),
+    (
+        "distillsparse",
+        dict(rl__rollout_mode="distillsparse", rl__samples_generated=3, metrics__twin_every=0),
+    ),
 ]
 
 
@@ -159,6 +164,46 @@ def test_mode_runs_two_steps(ctx, name, overrides, monkeypatch):
         assert optimizer_steps_taken(st.lora_opt_state) == 2 * steps_per_rl_step(run, "phi")
     else:
         assert st.lora is None and "phi_loss" not in m and "time_update_phi" not in m
+
+
+TWIN_ONLY = ("kl_exact", "alpha_mean", "alpha_p5_bin0", "twin_mu_max_abs")  # from the twin
+
+
+@pytest.mark.slow
+def test_twin_every_skips_a_metrics_only_twin(ctx, monkeypatch):
+    """metrics.twin_every=2 in the sparse mode (the twin serves the figures alone): the
+    twin's figures on step 0 (kept and all M rows), none on step 1, where acceptance
+    selection and theta's update still run on the dense recompute. The modes that need the
+    twin ignore the setting (the table; sparse_train and distillsparse recompute it)."""
+    monkeypatch.setattr(phases, "grade", fake_score)
+    run = _with(
+        ctx,
+        rl__rollout_mode="sparse",
+        rl__is_correction="mis",
+        rl__samples_generated=3,
+        rl__selection="acceptance",
+        metrics__twin_every=2,
+    )
+    setup = rl_loop.make_setup(run)
+    st = rl_loop.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
+    rng, got = jax.random.key(0), []
+    for step in range(2):
+        rng, k = jax.random.split(rng)
+        st, m = rl_loop.rl_step(run, setup, st, k, step)
+        got.append(m)
+    for key in TWIN_ONLY:
+        assert math.isfinite(got[0][key]) and math.isfinite(got[0]["all_" + key]), key
+        assert key not in got[1] and "all_" + key not in got[1], key
+    for m in got:  # the dense recompute and what reads it ran on both steps
+        for key in ("kl_k3", "mu_dense_max_abs", "acceptance_frac_kept", "loss", "all_kl_k3"):
+            assert math.isfinite(m[key]), key
+        assert m["skipped_updates"] == 0
+    never = _with(ctx, metrics__twin_every=0)
+    needs = {"sparse": False, "sparse_train": True, "distillsparse": True, "speculative": True}
+    for mode, needed in needs.items():
+        s = dataclasses.replace(setup, mode=modes.get(mode))
+        assert [phases.twin_step(never, s, i) for i in range(3)] == [needed] * 3, mode
+        assert phases.twin_step(run, s, 0) and phases.twin_step(run, s, 1) == needed, mode
 
 
 @pytest.mark.slow
@@ -282,6 +327,7 @@ def test_distillsparse_checkpoint_round_trips_phi(ctx, tmp_path):
         ("rl.draft_tokens", 0),
         ("rl.draft_head.layers", "1,7"),
         ("rl.draft_head.steps", 0),
+        ("metrics.twin_every", -1),
     ],
 )
 def test_mode_config_validation(field, value):

@@ -250,6 +250,11 @@ def defaults() -> ml_collections.ConfigDict:
     # computed on all M rows, logged as all_* (the recompute then runs on M rows instead
     # of n); 0: never. With M = n the all_* figures are the kept rows' at no cost.
     c.metrics.all_rows_every = 1
+    # The actor's teacher-forced twin where only the mismatch figures read it (rollout_mode
+    # sparse: rl/modes.RolloutMode.twin_metrics_only) is recomputed every this many RL
+    # steps (0: never); the other steps' records lack its figures (kl_exact, alpha_*, ...).
+    # Modes whose trainer or phi needs the twin compute it every step, whatever this says.
+    c.metrics.twin_every = 1
 
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 10  # RL steps between held-out evaluations

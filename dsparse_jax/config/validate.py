@@ -418,6 +418,7 @@ def _validate_modes(c) -> None:
     _validate_distill(c)
     _positive_int(c, "metrics.position_bin")
     _nonneg(c, "metrics.all_rows_every", integer=True)
+    _nonneg(c, "metrics.twin_every", integer=True)
     _validate_prune(c)
 
 

@@ -118,7 +118,10 @@ def _draft_record(r: Rollout):
     return None if r.draft_start is None else (r.draft_start, r.draft_logprobs)
 
 
-def _recompute_rollout(ctx: RunContext, setup: RLSetup, st: TrainState, r: Rollout) -> dict:
+def _recompute_rollout(
+    ctx: RunContext, setup: RLSetup, st: TrainState, r: Rollout, twin: bool = True
+) -> dict:
+    """distill.recompute of the rows of `r`: dense theta and, with `twin`, the actor's twin."""
     return distill.recompute(
         st.params,
         st.lora,
@@ -131,7 +134,7 @@ def _recompute_rollout(ctx: RunContext, setup: RLSetup, st: TrainState, r: Rollo
         graphdef=ctx.graphdef,
         temperature=ctx.config.rl.temperature,
         dense_spec=ctx.spec,
-        twin_spec=setup.twin_spec,
+        twin_spec=setup.twin_spec if twin else None,
         lora_scale=setup.lora_scale,
         chunks=_chunks(setup, r.tokens.shape[0]),
         **_metric_settings(ctx, setup),
@@ -373,6 +376,14 @@ def _all_rows_step(ctx, step: int) -> bool:
     return every > 0 and step % every == 0
 
 
+def twin_step(ctx, setup: RLSetup, step: int) -> bool:
+    """Whether this RL step recomputes the actor's twin: every step where the trainer or
+    phi needs it; where only the mismatch figures read it (mode.twin_metrics_only), every
+    metrics.twin_every steps (0: never)."""
+    every = ctx.config.metrics.twin_every
+    return not setup.mode.twin_metrics_only or (every > 0 and step % every == 0)
+
+
 def _batch_metrics(ctx, setup: RLSetup, r: Rollout, rec: dict) -> dict:
     """distill.batch_metrics of the rows of `r` from their recompute arrays `rec`."""
     return distill.batch_metrics(
@@ -390,7 +401,8 @@ def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key
     """The oversampling filter keeps n of each prompt's M samples (rl.selection); GRPO
     advantages over the kept n. Selection by acceptance rate, and with M > n every
     metrics.all_rows_every steps, recomputes all M rows first: their mismatch figures are
-    logged as all_*, and the recompute phase reuses the kept rows' arrays."""
+    logged as all_*, and the recompute phase reuses the kept rows' arrays (the twin on
+    the steps `twin_step` says)."""
     c, plan, n, big_m = ctx.config.rl, setup.plan, setup.n, setup.m
     r = gen.rollout
     rec = None
@@ -400,7 +412,7 @@ def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key
         kept_rows = pruned_kept_rows(len(rewards_all), setup.prune)
         r, rewards_all = gather_rows(r, kept_rows, plan), rewards_all[kept_rows]
     if big_m > n and (c.selection == "acceptance" or _all_rows_step(ctx, step)):
-        rec = _recompute_rollout(ctx, setup, st, r)  # all M rows
+        rec = _recompute_rollout(ctx, setup, st, r, twin_step(ctx, setup, step))  # all M rows
     rows, metrics = select_rows(
         rewards_all,
         n,
@@ -494,13 +506,15 @@ def update_head(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all
     return (head, opt_state), metrics
 
 
-def recompute(ctx, setup: RLSetup, st: TrainState, sel: Selected, ref_params):
+def recompute(ctx, setup: RLSetup, st: TrainState, sel: Selected, ref_params, step: int = 0):
     """Teacher-forced forwards of the kept rows, no gradient: dense (theta, no adapter), the
-    actor's twin, exact mismatch metrics; theta's batch with its old log-probs and
-    off-policy corrections; the reference log-probs (rl.kl_coef > 0); and, where phi is
-    trained, its teacher cached before theta moves."""
+    actor's twin (on the steps `twin_step` says), exact mismatch metrics; theta's batch
+    with its old log-probs and off-policy corrections; the reference log-probs
+    (rl.kl_coef > 0); and, where phi is trained, its teacher cached before theta moves."""
     c, kept = ctx.config.rl, sel.kept
-    rec = sel.rec if sel.rec is not None else _recompute_rollout(ctx, setup, st, kept)
+    rec = sel.rec
+    if rec is None:
+        rec = _recompute_rollout(ctx, setup, st, kept, twin_step(ctx, setup, step))
     batch, metrics = theta_batch(
         setup.mode.name, kept, sel.adv, rec["dense_logp"], rec.get("twin_logp"), c
     )

@@ -75,7 +75,7 @@ def rl_step(
         head = (st.head, st.head_opt_state)
         if gen.prune is not None:  # the quality head learns from this step's completed rows
             head = log.run("update_head", phases.update_head, ctx, setup, st, gen, scored.rewards)
-        rec = log.run("recompute", phases.recompute, ctx, setup, st, sel, ref_params)
+        rec = log.run("recompute", phases.recompute, ctx, setup, st, sel, ref_params, step)
         params, opt_state = log.run(
             "update_theta", phases.update_theta, ctx, setup, st, rec, k_theta
         )
