@@ -242,6 +242,7 @@ def test_speculative_mode_runs_two_steps(ctx, draft, monkeypatch, tmp_path):
     if draft == "sparse_self":
         assert math.isfinite(m["phi_loss"]) and math.isfinite(m["kl_exact"])
         assert any((a != b).any() for a, b in zip(lora0, _leaves(st.lora)))  # phi trained
+        _check_phi_warm_start(run, setup, st, tmp_path)
         return
     if draft == "draft_head":
         _check_draft_head(run, setup, st, m, rng, tmp_path)
@@ -259,6 +260,26 @@ def test_speculative_mode_runs_two_steps(ctx, draft, monkeypatch, tmp_path):
     assert found[2] == 2
     for name, value in bank.state().items():
         np.testing.assert_array_equal(value, fresh.state()[name], err_msg=name)
+
+
+def _check_phi_warm_start(run, setup, st, tmp_path):
+    """phi's warm start in speculative sparse_self: the speculative rollout with its draft
+    record (the twin is the drafter), the mode's divergence (tv) to theta, which it leaves
+    bitwise unchanged; logged with the drafter's figures."""
+    from dsparse_jax.report.metrics import MetricsWriter, read_metrics
+
+    run = _with(run, distill__warmup_steps=1)
+    theta, lora = _leaves(st.params), _leaves(st.lora)
+    writer = MetricsWriter(str(tmp_path), tensorboard=False)
+    st = rl_loop.warm_start_phi(run, setup, st, writer)
+    writer.close()
+    for a, b in zip(theta, _leaves(st.params)):
+        np.testing.assert_array_equal(a, b)
+    assert any((a != b).any() for a, b in zip(lora, _leaves(st.lora)))
+    (x,) = read_metrics(str(tmp_path), "phi_warmup")
+    for key in ("phi_distill_tv", "twin_accept_rate_1", "spec_accept_rate_1", "kl_exact"):
+        assert math.isfinite(x[key]), key
+    assert x["twin_draft_max_abs"] < 1e-3 and x["mu_dense_max_abs"] < 1e-3
 
 
 def _check_draft_head(run, setup, st, m, rng, tmp_path):
@@ -303,6 +324,11 @@ def test_distillsparse_checkpoint_round_trips_phi(ctx, tmp_path):
     ckpt.wait()
     fresh = rl_loop.init_state(run, setup, run.init_params)
     got, rng, step = rl_loop._restore(ckpt, 3, fresh, jax.random.key(0))
+    old = rl_loop._saveable(st, jax.random.key(5), 4, rl_loop.RL_DATA_OFFSET + 4 * 2)
+    del old["phi_warmup_steps"]  # written before phi's warm start was marked: loadable
+    ckpt.save(4, old, force=True)
+    ckpt.wait()
+    assert rl_loop._resume(ckpt, fresh, jax.random.key(0), "distillsparse", 2)[2:] == (4, 0, 0)
     ckpt.close()
     assert step == 3
     assert jax.tree.structure(got.lora) == jax.tree.structure(st.lora)
@@ -328,6 +354,7 @@ def test_distillsparse_checkpoint_round_trips_phi(ctx, tmp_path):
         ("rl.draft_head.layers", "1,7"),
         ("rl.draft_head.steps", 0),
         ("metrics.twin_every", -1),
+        ("distill.warmup_steps", -1),
     ],
 )
 def test_mode_config_validation(field, value):
@@ -342,4 +369,131 @@ def test_mode_config_validation(field, value):
     if field.startswith("rl.draft_head"):
         c.rl.draft = "draft_head"
     with pytest.raises(ConfigError, match=f"config.{field}"):
+        validate(c)
+
+
+# ------------------------------------------------------------------------ phi's warm start
+class Killed(Exception):
+    """Stands for a kill right after phi's warm start and its checkpoint."""
+
+
+def _twin_kl(run, setup, st, lora, r) -> float:
+    """Exact KL(twin || dense) per token of rollout `r` with phi = `lora`."""
+    rec = phases._recompute_rollout(run, setup, dataclasses.replace(st, lora=lora), r)
+    return float(rec["metrics"]["kl_exact"])
+
+
+def _spy(monkeypatch, module, name: str) -> list:
+    """Records the arguments of every call of module.name (then calls it)."""
+    calls, real = [], getattr(module, name)
+
+    def spy(*args, **kw):
+        calls.append(args)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+@pytest.mark.slow
+def test_phi_warm_start_moves_phi_only_and_a_resume_does_not_repeat_it(ctx, monkeypatch, tmp_path):
+    """distill.warmup_steps=3 before RL step 1: theta bitwise unchanged, phi moved, the
+    twin's exact KL to dense lower on a fixed rollout, three phi_warmup records; a run
+    killed after the warm start's checkpoint resumes at step 0 without repeating it."""
+    from dsparse_jax.reliability import checkpoints
+    from dsparse_jax.report.metrics import MetricsWriter, read_metrics
+
+    monkeypatch.setattr(phases, "grade", fake_score)
+    run = _with(
+        ctx,
+        rl__rollout_mode="distillsparse",
+        rl__num_steps=1,
+        distill__warmup_steps=3,
+        eval__mean_at_k=0,
+        eval__sparse=False,
+        log__tensorboard=False,
+    )
+    setup = rl_loop.make_setup(run)
+    st0 = rl_loop.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
+    r = phases.rollout(run, setup, st0, jax.random.key(9), 0)[0].rollout  # RL step 1's prompts
+    kl_before = _twin_kl(run, setup, st0, st0.lora, r)
+    theta0, lora0 = _leaves(st0.params), _leaves(st0.lora)
+    real_save = checkpoints.Checkpointer.save
+    monkeypatch.setattr(  # synchronous, so the "kill" below never races the write
+        checkpoints.Checkpointer, "save", lambda s, *a, **k: (real_save(s, *a, **k), s.wait())
+    )
+    warm = _spy(monkeypatch, phases, "warmup_phi")
+    real_eval = rl_loop.evaluate
+
+    def killed(*args):
+        raise Killed
+
+    monkeypatch.setattr(rl_loop, "evaluate", killed)  # step 0's evaluation follows the save
+    wd = str(tmp_path)
+    for attempt in ("killed", "resumed"):
+        writer = MetricsWriter(wd, tensorboard=False)
+        try:
+            rl_loop.train_rl(run, wd, jax.tree.map(jnp.copy, run.init_params), writer)
+        except Killed:
+            assert attempt == "killed"
+        writer.close()
+        monkeypatch.setattr(rl_loop, "evaluate", real_eval)
+        assert len(warm) == 3, attempt  # the resumed run did not repeat it
+        if attempt == "killed":
+            ckpt = checkpoints.Checkpointer(wd, "checkpoints")
+            assert ckpt.all_steps() == [0]
+            fresh = rl_loop.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
+            got, _, step, _, warmed = rl_loop._resume(ckpt, fresh, jax.random.key(0), "", 2)
+            ckpt.close()
+            assert (step, warmed) == (0, 3)
+    for a, b in zip(theta0, _leaves(got.params)):  # theta frozen, bitwise
+        np.testing.assert_array_equal(a, b)
+    assert any((a != b).any() for a, b in zip(lora0, _leaves(got.lora)))  # phi moved
+    kl_after = _twin_kl(run, setup, st0, got.lora, r)
+    assert kl_after < kl_before, (kl_before, kl_after)
+    records = read_metrics(wd)
+    logged = [x for x in records if x["phase"] == "phi_warmup"]
+    assert [x["step"] for x in logged] == [1, 2, 3]
+    for x in logged:
+        for key in ("kl_exact", "alpha_mean", "phi_loss", "phi_distill_kl_reverse_k3"):
+            assert math.isfinite(x[key]), key
+        assert x["phi_skipped_updates"] == 0
+    assert [(x["phase"], x["step"]) for x in records if x["phase"] != "phi_warmup"] == [
+        ("eval", 0),
+        ("rl", 1),
+        ("eval", 1),
+    ]
+
+
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (dict(rl__rollout_mode="sparse", distill__warmup_steps=2), "distill.warmup_steps"),
+        (
+            dict(rl__rollout_mode="speculative", rl__draft="history", distill__warmup_steps=2),
+            "distill.warmup_steps",
+        ),
+        (dict(distill__warmup_steps=2, distill__kl_coef=0.0), "distill.kl_coef"),
+    ],
+)
+def test_phi_setting_refusals(overrides, field):
+    """One line naming the field; their allowed neighbours pass (below)."""
+    c = base_config()
+    for k, v in overrides.items():
+        section, name = k.split("__")
+        c[section][name] = v
+    with pytest.raises(ConfigError, match=f"^config.{field}: ") as e:
+        validate(c)
+    assert "\n" not in str(e.value)
+
+
+def test_phi_settings_allowed():
+    for overrides in (
+        dict(distill__warmup_steps=2),
+        dict(rl__rollout_mode="speculative", distill__warmup_steps=2),
+    ):
+        c = base_config()
+        for k, v in overrides.items():
+            section, name = k.split("__")
+            c[section][name] = v
         validate(c)

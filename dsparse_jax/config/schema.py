@@ -242,6 +242,10 @@ def defaults() -> ml_collections.ConfigDict:
     # samples the rollout holds: rl/modes.DISTILL_KL) | exact_reverse | exact_forward | tv
     c.distill.kl = "auto"
     c.distill.kl_coef = 1.0  # lambda (reference: 1e-3, which collapsed theta here; README)
+    # phi's warm start (modes that train phi): before RL step 1, this many steps of phi
+    # distilled to the warm-start dense policy on the actor's own rollouts of training
+    # prompts disjoint from RL's (theta frozen; the mode's divergence, no PPO term); 0: none.
+    c.distill.warmup_steps = 0
 
     c.metrics = ml_collections.ConfigDict()
     c.metrics.position_bin = 256  # completion-position bin width of mismatch metrics

@@ -428,6 +428,14 @@ def _validate_distill(c) -> None:
     mode trains none: its values must still be valid)."""
     d, r = c.distill, c.rl
     mode = modes.get(r.rollout_mode, r.draft) if r.rollout_mode in MODES else None
+    _nonneg(c, "distill.warmup_steps", integer=True)
+    _check(
+        d.warmup_steps == 0 or (mode is not None and mode.updates_phi),
+        "distill.warmup_steps",
+        f"must be 0 with rl.rollout_mode={r.rollout_mode}"
+        + (f", rl.draft={r.draft}" if r.rollout_mode == "speculative" else "")
+        + ": it trains no phi",
+    )
     if mode is None or not mode.updates_phi:
         mode = MODES["distillsparse"]
     try:
@@ -439,6 +447,11 @@ def _validate_distill(c) -> None:
         objective.loss != "kl_only" or d.kl_coef > 0,
         "distill.kl_coef",
         "must be > 0 with distill.loss=kl_only (the loss would be zero)",
+    )
+    _check(
+        d.warmup_steps == 0 or d.kl_coef > 0,
+        "distill.kl_coef",
+        "must be > 0 with distill.warmup_steps > 0 (the warm start's loss is its KL term)",
     )
 
 

@@ -253,17 +253,17 @@ def theta_batch(mode: str, kept, adv_B, dense_logp, twin_logp, c):
 
 
 # ------------------------------------------------------------------------------- phases
-def rollout(ctx: RunContext, setup: RLSetup, st: TrainState, key, step: int):
-    """M samples per prompt from the actor (its attention and adapter: setup.mode). With a
-    mesh each process makes its own block of prompts; the rollout is one global array."""
+def rollout(
+    ctx: RunContext, setup: RLSetup, st: TrainState, key, step: int, data_start: int | None = None
+):
+    """M samples per prompt from the actor (its attention and adapter: setup.mode) on RL step
+    `step`'s prompts, or on those from training index `data_start` on. With a mesh each
+    process makes its own block of prompts; the rollout is one global array."""
     c, plan, p = ctx.config.rl, setup.plan, ctx.config.rl.prompts_per_step
     mine = slice(0, p) if plan is None else plan.local_slice(p)  # this process's prompts
+    start = RL_DATA_OFFSET + step * p if data_start is None else data_start
     batch_problems = problems(
-        ctx.task,
-        "train",
-        RL_DATA_OFFSET + step * p + mine.start,
-        mine.stop - mine.start,
-        ctx.config.seed,
+        ctx.task, "train", start + mine.start, mine.stop - mine.start, ctx.config.seed
     )
     prompts, lengths = batches.encode_prompts(
         ctx.tok, batch_problems, batches.prompt_buffer(ctx.task)
@@ -629,3 +629,27 @@ def update_phi(ctx, setup: RLSetup, st: TrainState, sel: Selected, rec: Recomput
         settings=setup.distill,
     )
     return (lora, lora_opt_state), _summarize_updates(ms, prefix="phi_")
+
+
+def warmup_phi(ctx, setup: RLSetup, st: TrainState, key, i: int):
+    """Step i (0-based) of phi's warm start (distill.warmup_steps, before RL step 1; setup:
+    rl_state.phi_warmup_setup): the actor's rollout (the mode's, with its draft record in
+    speculative sparse_self) of the training prompts before RL's, the twin's mismatch
+    figures on it, then phi's update towards theta, which stays frozen."""
+    plan, p = setup.plan, ctx.config.rl.prompts_per_step
+    k_roll, k_phi = jax.random.split(key)
+    gen, metrics = rollout(ctx, setup, st, k_roll, 0, data_start=RL_DATA_OFFSET - (i + 1) * p)
+    kept = gen.rollout if plan is None else plan.shard_batch(gen.rollout)
+    rec = _recompute_rollout(ctx, setup, st, kept)
+    adv_B = sharding.as_global(plan, jnp.zeros(kept.tokens.shape[0], jnp.float32))  # unread
+    teacher_logp = rec["dense_logp"] if setup.distill.teacher == "cached" else None
+    phi, phi_metrics = update_phi(
+        ctx,
+        setup,
+        st,
+        Selected(kept, None, adv_B, None),
+        Recomputed(None, teacher_logp, None),
+        k_phi,
+    )
+    metrics.update(distill.flatten_metrics(jax.device_get(rec["metrics"])))
+    return phi, {**metrics, **phi_metrics}
