@@ -355,6 +355,7 @@ def test_distillsparse_checkpoint_round_trips_phi(ctx, tmp_path):
         ("rl.draft_head.steps", 0),
         ("metrics.twin_every", -1),
         ("distill.warmup_steps", -1),
+        ("distill.row_stride", 0),
     ],
 )
 def test_mode_config_validation(field, value):
@@ -465,6 +466,44 @@ def test_phi_warm_start_moves_phi_only_and_a_resume_does_not_repeat_it(ctx, monk
     ]
 
 
+@pytest.mark.slow
+def test_phi_row_stride_trains_on_every_sth_row_and_lowers_the_kl(ctx, monkeypatch, tmp_path):
+    """distill.row_stride=2: phi's batch is kept rows 0 and 2 of 4 (tokens, mask, rollout
+    and teacher log-probs alike), split into rl.minibatches of one row, and phi's warm
+    start on it still lowers the twin's exact KL to dense on a fixed rollout."""
+    from dsparse_jax.report.metrics import MetricsWriter
+    from dsparse_jax.train import distill
+
+    run = _with(
+        ctx, rl__rollout_mode="distillsparse", distill__row_stride=2, distill__warmup_steps=3
+    )
+    setup = rl_loop.make_setup(run)
+    st = rl_loop.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
+    r = phases.rollout(run, setup, st, jax.random.key(9), 0)[0].rollout
+    kl_before = _twin_kl(run, setup, st, st.lora, r)
+    updates = _spy(monkeypatch, phases, "update_phi")
+    batches = _spy(monkeypatch, phases, "_minibatch_updates")
+    recomputes = _spy(monkeypatch, phases, "_recompute_rollout")
+    writer = MetricsWriter(str(tmp_path), tensorboard=False)
+    warm = rl_loop.warm_start_phi(run, setup, st, writer)
+    writer.close()
+    assert len(updates) == len(recomputes) == 3
+    for upd, mb, rec in zip(updates, batches, recomputes):
+        kept, batch = upd[3].kept, mb[3]
+        assert mb[0] is distill.phi_update and mb[5] == run.config.rl.minibatches == 2
+        assert kept.tokens.shape[0] == 4 and batch["tokens"].shape[0] == 2
+        dense_logp = phases._recompute_rollout(*rec)["dense_logp"]  # the teacher (cached)
+        for name, rows in (
+            ("tokens", kept.tokens),
+            ("mask", kept.completion_mask),
+            ("rollout_logp", kept.logprobs),
+            ("teacher_logp", dense_logp),
+        ):
+            np.testing.assert_array_equal(batch[name], np.asarray(rows)[[0, 2]], err_msg=name)
+    kl_after = _twin_kl(run, setup, st, warm.lora, r)
+    assert kl_after < kl_before, (kl_before, kl_after)
+
+
 @pytest.mark.parametrize(
     "overrides,field",
     [
@@ -474,6 +513,10 @@ def test_phi_warm_start_moves_phi_only_and_a_resume_does_not_repeat_it(ctx, monk
             "distill.warmup_steps",
         ),
         (dict(distill__warmup_steps=2, distill__kl_coef=0.0), "distill.kl_coef"),
+        (dict(distill__row_stride=3), "distill.row_stride"),  # 4 kept rows
+        (dict(distill__row_stride=4), "distill.row_stride"),  # 1 row, 2 minibatches
+        (dict(distill__row_stride=2, rl__microbatches=2), "distill.row_stride"),
+        (dict(distill__row_stride=2, mesh__data=2), "mesh.data"),  # phi's minibatch: 1 row
     ],
 )
 def test_phi_setting_refusals(overrides, field):
@@ -491,6 +534,8 @@ def test_phi_settings_allowed():
     for overrides in (
         dict(distill__warmup_steps=2),
         dict(rl__rollout_mode="speculative", distill__warmup_steps=2),
+        dict(distill__row_stride=2),
+        dict(distill__row_stride=2, rl__minibatches=1, rl__microbatches=2),
     ):
         c = base_config()
         for k, v in overrides.items():

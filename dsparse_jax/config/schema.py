@@ -242,6 +242,9 @@ def defaults() -> ml_collections.ConfigDict:
     # samples the rollout holds: rl/modes.DISTILL_KL) | exact_reverse | exact_forward | tv
     c.distill.kl = "auto"
     c.distill.kl_coef = 1.0  # lambda (reference: 1e-3, which collapsed theta here; README)
+    # phi trains on every row_stride-th kept row (1: all): P * n / row_stride rows, split
+    # into rl.minibatches x rl.microbatches like theta's batch.
+    c.distill.row_stride = 1
     # phi's warm start (modes that train phi): before RL step 1, this many steps of phi
     # distilled to the warm-start dense policy on the actor's own rollouts of training
     # prompts disjoint from RL's (theta frozen; the mode's divergence, no PPO term); 0: none.

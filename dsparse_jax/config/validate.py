@@ -333,6 +333,10 @@ def _validate_mesh(c) -> None:
         (r.prompts_per_step, "rl.prompts_per_step"),
         (r.prompts_per_step * m, "the rollout batch prompts_per_step x M"),
         (r.prompts_per_step * r.samples_per_prompt // r.minibatches, "a minibatch"),
+        (
+            r.prompts_per_step * r.samples_per_prompt // c.distill.row_stride // r.minibatches,
+            "phi's minibatch (distill.row_stride)",
+        ),
     ):
         _check(
             rows % shards == 0,
@@ -452,6 +456,14 @@ def _validate_distill(c) -> None:
         d.warmup_steps == 0 or d.kl_coef > 0,
         "distill.kl_coef",
         "must be > 0 with distill.warmup_steps > 0 (the warm start's loss is its KL term)",
+    )
+    _positive_int(c, "distill.row_stride")
+    batch, split = r.prompts_per_step * r.samples_per_prompt, r.minibatches * r.microbatches
+    _check(
+        batch % d.row_stride == 0 and (batch // d.row_stride) % split == 0,
+        "distill.row_stride",
+        f"the {batch} kept rows / {d.row_stride} must be a whole multiple of "
+        f"rl.minibatches x rl.microbatches = {split} (phi's microbatches)",
     )
 
 

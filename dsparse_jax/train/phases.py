@@ -585,12 +585,18 @@ def update_draft_head(ctx, setup: RLSetup, st: TrainState, batch: dict, key, pre
     return (state, opt_state), metrics
 
 
+def phi_rows(rows: int, stride: int) -> np.ndarray:
+    """The kept rows phi trains on: every `stride`-th (config distill.row_stride)."""
+    return np.arange(0, rows, stride)
+
+
 def update_phi(ctx, setup: RLSetup, st: TrainState, sel: Selected, rec: Recomputed, key):
     """theta frozen (st.params is the updated theta): phi's updates on the same rollouts
     (setup.distill: [L_PPO +] lambda D(actor, teacher)), against the dense teacher (cached
-    before theta's update, or recomputed with the updated theta). In a speculative
-    sparse_self rollout the actor's twin is the drafter (batch key draft_start)."""
-    c, kept = ctx.config.rl, sel.kept
+    before theta's update, or recomputed with the updated theta), on every
+    distill.row_stride-th kept row. In a speculative sparse_self rollout the actor's twin
+    is the drafter (batch key draft_start)."""
+    c, kept, stride = ctx.config.rl, sel.kept, ctx.config.distill.row_stride
     phi_batch = {
         "tokens": kept.tokens,
         "mask": kept.completion_mask,
@@ -600,20 +606,23 @@ def update_phi(ctx, setup: RLSetup, st: TrainState, sel: Selected, rec: Recomput
     }
     if kept.draft_start is not None:
         phi_batch["draft_start"] = kept.draft_start
+    if rec.teacher_logp is not None:
+        phi_batch["teacher_logp"] = rec.teacher_logp
+    if stride > 1:
+        phi_batch = gather_rows(phi_batch, phi_rows(kept.tokens.shape[0], stride), setup.plan)
     teacher_params = rec.teacher_params
     if setup.distill.teacher == "recomputed":
         if setup.distill.exact:  # the teacher's full logits come from a forward in the step
             teacher_params = st.params
         else:  # dense log-probs of the updated theta
+            tokens = phi_batch["tokens"]
             phi_batch["teacher_logp"], _ = recompute_logprobs(
                 st.params,
-                kept.tokens,
+                tokens,
                 graphdef=ctx.graphdef,
                 temperature=c.temperature,
-                chunks=_chunks(setup, kept.tokens.shape[0]),
+                chunks=_chunks(setup, tokens.shape[0]),
             )
-    elif rec.teacher_logp is not None:
-        phi_batch["teacher_logp"] = rec.teacher_logp
     lora, lora_opt_state, ms = _minibatch_updates(
         distill.phi_update,
         st.lora,
