@@ -419,10 +419,6 @@ def test_phi_warm_start_moves_phi_only_and_a_resume_does_not_repeat_it(ctx, monk
     r = phases.rollout(run, setup, st0, jax.random.key(9), 0)[0].rollout  # RL step 1's prompts
     kl_before = _twin_kl(run, setup, st0, st0.lora, r)
     theta0, lora0 = _leaves(st0.params), _leaves(st0.lora)
-    real_save = checkpoints.Checkpointer.save
-    monkeypatch.setattr(  # synchronous, so the "kill" below never races the write
-        checkpoints.Checkpointer, "save", lambda s, *a, **k: (real_save(s, *a, **k), s.wait())
-    )
     warm = _spy(monkeypatch, phases, "warmup_phi")
     real_eval = rl_loop.evaluate
 

@@ -321,9 +321,10 @@ def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
         if ctx.config.distill.warmup_steps and not warmed:  # validation: modes with phi
             st = warm_start_phi(ctx, setup, st, writer)
             warmed = ctx.config.distill.warmup_steps
-            try:  # step 0, marked: a resume goes on from here
+            try:  # step 0, marked, written before RL starts: a resume goes on from here
                 tree = _saveable(st, rng, 0, RL_DATA_OFFSET, 0, setup.history, warmed)
                 ckpt.save(0, tree, force=True)
+                ckpt.wait()
             except checkpoints.CheckpointError as e:  # non-finite phi: never saved
                 ckpt.close()
                 raise SystemExit(f"[rl] halted after phi's warm start: {e}") from None
