@@ -16,6 +16,7 @@ import pytest
 
 from dsparse_jax.config.validate import ConfigError, load_config, validate
 from dsparse_jax.data import rewards
+from dsparse_jax.rl import modes
 from dsparse_jax.train import context, phases, rl_loop, rl_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,9 +90,13 @@ CASES = [
             rl__is_correction="tis",
             rl__samples_generated=3,
             rl__selection="acceptance",
+            metrics__twin_every=0,  # ignored: the sparse trainer's old log-probs are the twin's
         ),
     ),
-    ("distillsparse", dict(rl__rollout_mode="distillsparse", rl__samples_generated=3)),
+    (
+        "distillsparse",
+        dict(rl__rollout_mode="distillsparse", rl__samples_generated=3, metrics__twin_every=0),
+    ),
 ]
 
 
@@ -161,6 +166,46 @@ def test_mode_runs_two_steps(ctx, name, overrides, monkeypatch):
         assert st.lora is None and "phi_loss" not in m and "time_update_phi" not in m
 
 
+TWIN_ONLY = ("kl_exact", "alpha_mean", "alpha_p5_bin0", "twin_mu_max_abs")  # from the twin
+
+
+@pytest.mark.slow
+def test_twin_every_skips_a_metrics_only_twin(ctx, monkeypatch):
+    """metrics.twin_every=2 in the sparse mode (the twin serves the figures alone): the
+    twin's figures on step 0 (kept and all M rows), none on step 1, where acceptance
+    selection and theta's update still run on the dense recompute. The modes that need the
+    twin ignore the setting (the table; sparse_train and distillsparse recompute it)."""
+    monkeypatch.setattr(phases, "grade", fake_score)
+    run = _with(
+        ctx,
+        rl__rollout_mode="sparse",
+        rl__is_correction="mis",
+        rl__samples_generated=3,
+        rl__selection="acceptance",
+        metrics__twin_every=2,
+    )
+    setup = rl_loop.make_setup(run)
+    st = rl_loop.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
+    rng, got = jax.random.key(0), []
+    for step in range(2):
+        rng, k = jax.random.split(rng)
+        st, m = rl_loop.rl_step(run, setup, st, k, step)
+        got.append(m)
+    for key in TWIN_ONLY:
+        assert math.isfinite(got[0][key]) and math.isfinite(got[0]["all_" + key]), key
+        assert key not in got[1] and "all_" + key not in got[1], key
+    for m in got:  # the dense recompute and what reads it ran on both steps
+        for key in ("kl_k3", "mu_dense_max_abs", "acceptance_frac_kept", "loss", "all_kl_k3"):
+            assert math.isfinite(m[key]), key
+        assert m["skipped_updates"] == 0
+    never = _with(ctx, metrics__twin_every=0)
+    needs = {"sparse": False, "sparse_train": True, "distillsparse": True, "speculative": True}
+    for mode, needed in needs.items():
+        s = dataclasses.replace(setup, mode=modes.get(mode))
+        assert [phases.twin_step(never, s, i) for i in range(3)] == [needed] * 3, mode
+        assert phases.twin_step(run, s, 0) and phases.twin_step(run, s, 1) == needed, mode
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("draft", ["sparse_self", "history", "draft_head"])
 def test_speculative_mode_runs_two_steps(ctx, draft, monkeypatch, tmp_path):
@@ -197,6 +242,7 @@ def test_speculative_mode_runs_two_steps(ctx, draft, monkeypatch, tmp_path):
     if draft == "sparse_self":
         assert math.isfinite(m["phi_loss"]) and math.isfinite(m["kl_exact"])
         assert any((a != b).any() for a, b in zip(lora0, _leaves(st.lora)))  # phi trained
+        _check_phi_warm_start(run, setup, st, tmp_path)
         return
     if draft == "draft_head":
         _check_draft_head(run, setup, st, m, rng, tmp_path)
@@ -214,6 +260,26 @@ def test_speculative_mode_runs_two_steps(ctx, draft, monkeypatch, tmp_path):
     assert found[2] == 2
     for name, value in bank.state().items():
         np.testing.assert_array_equal(value, fresh.state()[name], err_msg=name)
+
+
+def _check_phi_warm_start(run, setup, st, tmp_path):
+    """phi's warm start in speculative sparse_self: the speculative rollout with its draft
+    record (the twin is the drafter), the mode's divergence (tv) to theta, which it leaves
+    bitwise unchanged; logged with the drafter's figures."""
+    from dsparse_jax.report.metrics import MetricsWriter, read_metrics
+
+    run = _with(run, distill__warmup_steps=1)
+    theta, lora = _leaves(st.params), _leaves(st.lora)
+    writer = MetricsWriter(str(tmp_path), tensorboard=False)
+    st = rl_loop.warm_start_phi(run, setup, st, writer)
+    writer.close()
+    for a, b in zip(theta, _leaves(st.params)):
+        np.testing.assert_array_equal(a, b)
+    assert any((a != b).any() for a, b in zip(lora, _leaves(st.lora)))
+    (x,) = read_metrics(str(tmp_path), "phi_warmup")
+    for key in ("phi_distill_tv", "twin_accept_rate_1", "spec_accept_rate_1", "kl_exact"):
+        assert math.isfinite(x[key]), key
+    assert x["twin_draft_max_abs"] < 1e-3 and x["mu_dense_max_abs"] < 1e-3
 
 
 def _check_draft_head(run, setup, st, m, rng, tmp_path):
@@ -258,6 +324,11 @@ def test_distillsparse_checkpoint_round_trips_phi(ctx, tmp_path):
     ckpt.wait()
     fresh = rl_loop.init_state(run, setup, run.init_params)
     got, rng, step = rl_loop._restore(ckpt, 3, fresh, jax.random.key(0))
+    old = rl_loop._saveable(st, jax.random.key(5), 4, rl_loop.RL_DATA_OFFSET + 4 * 2)
+    del old["phi_warmup_steps"]  # written before phi's warm start was marked: loadable
+    ckpt.save(4, old, force=True)
+    ckpt.wait()
+    assert rl_loop._resume(ckpt, fresh, jax.random.key(0), "distillsparse", 2)[2:] == (4, 0, 0)
     ckpt.close()
     assert step == 3
     assert jax.tree.structure(got.lora) == jax.tree.structure(st.lora)
@@ -282,6 +353,9 @@ def test_distillsparse_checkpoint_round_trips_phi(ctx, tmp_path):
         ("rl.draft_tokens", 0),
         ("rl.draft_head.layers", "1,7"),
         ("rl.draft_head.steps", 0),
+        ("metrics.twin_every", -1),
+        ("distill.warmup_steps", -1),
+        ("distill.row_stride", 0),
     ],
 )
 def test_mode_config_validation(field, value):
@@ -296,4 +370,171 @@ def test_mode_config_validation(field, value):
     if field.startswith("rl.draft_head"):
         c.rl.draft = "draft_head"
     with pytest.raises(ConfigError, match=f"config.{field}"):
+        validate(c)
+
+
+# ------------------------------------------------------------------------ phi's warm start
+class Killed(Exception):
+    """Stands for a kill right after phi's warm start and its checkpoint."""
+
+
+def _twin_kl(run, setup, st, lora, r) -> float:
+    """Exact KL(twin || dense) per token of rollout `r` with phi = `lora`."""
+    rec = phases._recompute_rollout(run, setup, dataclasses.replace(st, lora=lora), r)
+    return float(rec["metrics"]["kl_exact"])
+
+
+def _spy(monkeypatch, module, name: str) -> list:
+    """Records the arguments of every call of module.name (then calls it)."""
+    calls, real = [], getattr(module, name)
+
+    def spy(*args, **kw):
+        calls.append(args)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+@pytest.mark.slow
+def test_phi_warm_start_moves_phi_only_and_a_resume_does_not_repeat_it(ctx, monkeypatch, tmp_path):
+    """distill.warmup_steps=3 before RL step 1: theta bitwise unchanged, phi moved, the
+    twin's exact KL to dense lower on a fixed rollout, three phi_warmup records; a run
+    killed after the warm start's checkpoint resumes at step 0 without repeating it."""
+    from dsparse_jax.reliability import checkpoints
+    from dsparse_jax.report.metrics import MetricsWriter, read_metrics
+
+    monkeypatch.setattr(phases, "grade", fake_score)
+    run = _with(
+        ctx,
+        rl__rollout_mode="distillsparse",
+        rl__num_steps=1,
+        distill__warmup_steps=3,
+        eval__mean_at_k=0,
+        eval__sparse=False,
+        log__tensorboard=False,
+    )
+    setup = rl_loop.make_setup(run)
+    st0 = rl_loop.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
+    r = phases.rollout(run, setup, st0, jax.random.key(9), 0)[0].rollout  # RL step 1's prompts
+    kl_before = _twin_kl(run, setup, st0, st0.lora, r)
+    theta0, lora0 = _leaves(st0.params), _leaves(st0.lora)
+    warm = _spy(monkeypatch, phases, "warmup_phi")
+    real_eval = rl_loop.evaluate
+
+    def killed(*args):
+        raise Killed
+
+    monkeypatch.setattr(rl_loop, "evaluate", killed)  # step 0's evaluation follows the save
+    wd = str(tmp_path)
+    for attempt in ("killed", "resumed"):
+        writer = MetricsWriter(wd, tensorboard=False)
+        try:
+            rl_loop.train_rl(run, wd, jax.tree.map(jnp.copy, run.init_params), writer)
+        except Killed:
+            assert attempt == "killed"
+        writer.close()
+        monkeypatch.setattr(rl_loop, "evaluate", real_eval)
+        assert len(warm) == 3, attempt  # the resumed run did not repeat it
+        if attempt == "killed":
+            ckpt = checkpoints.Checkpointer(wd, "checkpoints")
+            assert ckpt.all_steps() == [0]
+            fresh = rl_loop.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
+            got, _, step, _, warmed = rl_loop._resume(ckpt, fresh, jax.random.key(0), "", 2)
+            ckpt.close()
+            assert (step, warmed) == (0, 3)
+    for a, b in zip(theta0, _leaves(got.params)):  # theta frozen, bitwise
+        np.testing.assert_array_equal(a, b)
+    assert any((a != b).any() for a, b in zip(lora0, _leaves(got.lora)))  # phi moved
+    kl_after = _twin_kl(run, setup, st0, got.lora, r)
+    assert kl_after < kl_before, (kl_before, kl_after)
+    records = read_metrics(wd)
+    logged = [x for x in records if x["phase"] == "phi_warmup"]
+    assert [x["step"] for x in logged] == [1, 2, 3]
+    for x in logged:
+        for key in ("kl_exact", "alpha_mean", "phi_loss", "phi_distill_kl_reverse_k3"):
+            assert math.isfinite(x[key]), key
+        assert x["phi_skipped_updates"] == 0
+    assert [(x["phase"], x["step"]) for x in records if x["phase"] != "phi_warmup"] == [
+        ("eval", 0),
+        ("rl", 1),
+        ("eval", 1),
+    ]
+
+
+@pytest.mark.slow
+def test_phi_row_stride_trains_on_every_sth_row_and_lowers_the_kl(ctx, monkeypatch, tmp_path):
+    """distill.row_stride=2: phi's batch is kept rows 0 and 2 of 4 (tokens, mask, rollout
+    and teacher log-probs alike), split into rl.minibatches of one row, and phi's warm
+    start on it still lowers the twin's exact KL to dense on a fixed rollout."""
+    from dsparse_jax.report.metrics import MetricsWriter
+    from dsparse_jax.train import distill
+
+    run = _with(
+        ctx, rl__rollout_mode="distillsparse", distill__row_stride=2, distill__warmup_steps=3
+    )
+    setup = rl_loop.make_setup(run)
+    st = rl_loop.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
+    r = phases.rollout(run, setup, st, jax.random.key(9), 0)[0].rollout
+    kl_before = _twin_kl(run, setup, st, st.lora, r)
+    updates = _spy(monkeypatch, phases, "update_phi")
+    batches = _spy(monkeypatch, phases, "_minibatch_updates")
+    recomputes = _spy(monkeypatch, phases, "_recompute_rollout")
+    writer = MetricsWriter(str(tmp_path), tensorboard=False)
+    warm = rl_loop.warm_start_phi(run, setup, st, writer)
+    writer.close()
+    assert len(updates) == len(recomputes) == 3
+    for upd, mb, rec in zip(updates, batches, recomputes):
+        kept, batch = upd[3].kept, mb[3]
+        assert mb[0] is distill.phi_update and mb[5] == run.config.rl.minibatches == 2
+        assert kept.tokens.shape[0] == 4 and batch["tokens"].shape[0] == 2
+        dense_logp = phases._recompute_rollout(*rec)["dense_logp"]  # the teacher (cached)
+        for name, rows in (
+            ("tokens", kept.tokens),
+            ("mask", kept.completion_mask),
+            ("rollout_logp", kept.logprobs),
+            ("teacher_logp", dense_logp),
+        ):
+            np.testing.assert_array_equal(batch[name], np.asarray(rows)[[0, 2]], err_msg=name)
+    kl_after = _twin_kl(run, setup, st, warm.lora, r)
+    assert kl_after < kl_before, (kl_before, kl_after)
+
+
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (dict(rl__rollout_mode="sparse", distill__warmup_steps=2), "distill.warmup_steps"),
+        (
+            dict(rl__rollout_mode="speculative", rl__draft="history", distill__warmup_steps=2),
+            "distill.warmup_steps",
+        ),
+        (dict(distill__warmup_steps=2, distill__kl_coef=0.0), "distill.kl_coef"),
+        (dict(distill__row_stride=3), "distill.row_stride"),  # 4 kept rows
+        (dict(distill__row_stride=4), "distill.row_stride"),  # 1 row, 2 minibatches
+        (dict(distill__row_stride=2, rl__microbatches=2), "distill.row_stride"),
+        (dict(distill__row_stride=2, mesh__data=2), "mesh.data"),  # phi's minibatch: 1 row
+    ],
+)
+def test_phi_setting_refusals(overrides, field):
+    """One line naming the field; their allowed neighbours pass (below)."""
+    c = base_config()
+    for k, v in overrides.items():
+        section, name = k.split("__")
+        c[section][name] = v
+    with pytest.raises(ConfigError, match=f"^config.{field}: ") as e:
+        validate(c)
+    assert "\n" not in str(e.value)
+
+
+def test_phi_settings_allowed():
+    for overrides in (
+        dict(distill__warmup_steps=2),
+        dict(rl__rollout_mode="speculative", distill__warmup_steps=2),
+        dict(distill__row_stride=2),
+        dict(distill__row_stride=2, rl__minibatches=1, rl__microbatches=2),
+    ):
+        c = base_config()
+        for k, v in overrides.items():
+            section, name = k.split("__")
+            c[section][name] = v
         validate(c)

@@ -200,6 +200,38 @@ def test_nan_step_is_skipped_and_repeated_nans_halt(reference, tmp_path):
 
 
 @pytest.mark.slow
+def test_phi_warm_start_is_not_repeated_after_a_kill(reference, tmp_path):
+    """distill.warmup_steps=2, killed in RL step 1's rollout (after the warm start's step-0
+    checkpoint): the restart resumes at step 0 without repeating the warm start and ends
+    bitwise where an uninterrupted run ends (metrics, warm-start records, checkpoint)."""
+    warm = ("--config.distill.warmup_steps=2", "--config.rl.num_steps=2")
+    runs = {}
+    for name in ("ref", "killed"):
+        runs[name] = str(tmp_path / name)
+        shutil.copytree(os.path.join(reference, "sft"), os.path.join(runs[name], "sft"))
+    res = _train(runs["ref"], *warm)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = _train(runs["killed"], *warm, fault="rl_rollout@1")
+    assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
+    assert "[phi_warmup]" in res.stderr and _steps(runs["killed"]) == [0]
+    res = _train(runs["killed"], *warm)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming after phi's warm start (2 steps): not repeated" in res.stdout
+    assert "[phi_warmup]" not in res.stderr
+    warmup = lambda w: [
+        {k: v for k, v in r.items() if not k.startswith(TIMING)}
+        for r in read_metrics(w, "phi_warmup")
+    ]
+    assert [r["step"] for r in warmup(runs["killed"])] == [1, 2]
+    assert warmup(runs["killed"]) == warmup(runs["ref"])
+    assert _metrics(runs["killed"]) == _metrics(runs["ref"])
+    got, want = _raw(runs["killed"], 2), _raw(runs["ref"], 2)
+    assert got.keys() == want.keys() and int(want["['phi_warmup_steps']"]) == 2
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+@pytest.mark.slow
 def test_sft_resumes_exactly_after_kills(tmp_path):
     """Killed after SFT step 50 (last checkpoint at 40), then after SFT stopped and saved
     but before DONE.json: the warm start resumes and ends bitwise where an uninterrupted

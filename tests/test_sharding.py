@@ -203,6 +203,31 @@ def test_rules_and_divisibility(base_ctx):
     assert sharding.mesh_shape({"data": -1, "fsdp": 2, "tensor": 2}, 8) == (2, 2, 2)
 
 
+def _phi_warm_start(base_ctx, shape, workdir):
+    """phi after one warm-start step (distill.row_stride=2: 8 of the 16 kept rows)."""
+    from dsparse_jax.report.metrics import MetricsWriter
+
+    c = mesh_config(shape)
+    c.distill.warmup_steps, c.distill.row_stride = 1, 2
+    validate(c)
+    ctx = context.RunContext(**{**base_ctx.__dict__, "config": c})
+    setup = rl_loop.make_setup(ctx)
+    st = rl_loop.init_state(ctx, setup, jax.tree.map(jnp.copy, ctx.init_params))
+    workdir.mkdir()
+    writer = MetricsWriter(str(workdir), tensorboard=False)
+    st = rl_loop.warm_start_phi(ctx, setup, st, writer)
+    writer.close()
+    return _host(st.lora)
+
+
+@pytest.mark.slow
+def test_phi_warm_start_with_row_stride_on_mesh_matches_single_device(base_ctx, tmp_path):
+    want = _phi_warm_start(base_ctx, (1, 1, 1), tmp_path / "one")
+    got = _phi_warm_start(base_ctx, (2, 2, 2), tmp_path / "mesh")
+    for x, y in zip(got, want):
+        np.testing.assert_allclose(x, y, rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.slow
 def test_sharded_checkpoint_restores_onto_another_mesh(base_ctx, tmp_path):
     a = _ctx(base_ctx, (2, 2, 2))

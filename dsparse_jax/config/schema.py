@@ -242,6 +242,13 @@ def defaults() -> ml_collections.ConfigDict:
     # samples the rollout holds: rl/modes.DISTILL_KL) | exact_reverse | exact_forward | tv
     c.distill.kl = "auto"
     c.distill.kl_coef = 1.0  # lambda (reference: 1e-3, which collapsed theta here; README)
+    # phi trains on every row_stride-th kept row (1: all): P * n / row_stride rows, split
+    # into rl.minibatches x rl.microbatches like theta's batch.
+    c.distill.row_stride = 1
+    # phi's warm start (modes that train phi): before RL step 1, this many steps of phi
+    # distilled to the warm-start dense policy on the actor's own rollouts of training
+    # prompts disjoint from RL's (theta frozen; the mode's divergence, no PPO term); 0: none.
+    c.distill.warmup_steps = 0
 
     c.metrics = ml_collections.ConfigDict()
     c.metrics.position_bin = 256  # completion-position bin width of mismatch metrics
@@ -250,6 +257,11 @@ def defaults() -> ml_collections.ConfigDict:
     # computed on all M rows, logged as all_* (the recompute then runs on M rows instead
     # of n); 0: never. With M = n the all_* figures are the kept rows' at no cost.
     c.metrics.all_rows_every = 1
+    # The actor's teacher-forced twin where only the mismatch figures read it (rollout_mode
+    # sparse: rl/modes.RolloutMode.twin_metrics_only) is recomputed every this many RL
+    # steps (0: never); the other steps' records lack its figures (kl_exact, alpha_*, ...).
+    # Modes whose trainer or phi needs the twin compute it every step, whatever this says.
+    c.metrics.twin_every = 1
 
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 10  # RL steps between held-out evaluations

@@ -333,6 +333,10 @@ def _validate_mesh(c) -> None:
         (r.prompts_per_step, "rl.prompts_per_step"),
         (r.prompts_per_step * m, "the rollout batch prompts_per_step x M"),
         (r.prompts_per_step * r.samples_per_prompt // r.minibatches, "a minibatch"),
+        (
+            r.prompts_per_step * r.samples_per_prompt // c.distill.row_stride // r.minibatches,
+            "phi's minibatch (distill.row_stride)",
+        ),
     ):
         _check(
             rows % shards == 0,
@@ -418,6 +422,7 @@ def _validate_modes(c) -> None:
     _validate_distill(c)
     _positive_int(c, "metrics.position_bin")
     _nonneg(c, "metrics.all_rows_every", integer=True)
+    _nonneg(c, "metrics.twin_every", integer=True)
     _validate_prune(c)
 
 
@@ -427,6 +432,14 @@ def _validate_distill(c) -> None:
     mode trains none: its values must still be valid)."""
     d, r = c.distill, c.rl
     mode = modes.get(r.rollout_mode, r.draft) if r.rollout_mode in MODES else None
+    _nonneg(c, "distill.warmup_steps", integer=True)
+    _check(
+        d.warmup_steps == 0 or (mode is not None and mode.updates_phi),
+        "distill.warmup_steps",
+        f"must be 0 with rl.rollout_mode={r.rollout_mode}"
+        + (f", rl.draft={r.draft}" if r.rollout_mode == "speculative" else "")
+        + ": it trains no phi",
+    )
     if mode is None or not mode.updates_phi:
         mode = MODES["distillsparse"]
     try:
@@ -438,6 +451,19 @@ def _validate_distill(c) -> None:
         objective.loss != "kl_only" or d.kl_coef > 0,
         "distill.kl_coef",
         "must be > 0 with distill.loss=kl_only (the loss would be zero)",
+    )
+    _check(
+        d.warmup_steps == 0 or d.kl_coef > 0,
+        "distill.kl_coef",
+        "must be > 0 with distill.warmup_steps > 0 (the warm start's loss is its KL term)",
+    )
+    _positive_int(c, "distill.row_stride")
+    batch, split = r.prompts_per_step * r.samples_per_prompt, r.minibatches * r.microbatches
+    _check(
+        batch % d.row_stride == 0 and (batch // d.row_stride) % split == 0,
+        "distill.row_stride",
+        f"the {batch} kept rows / {d.row_stride} must be a whole multiple of "
+        f"rl.minibatches x rl.microbatches = {split} (phi's microbatches)",
     )
 
 

@@ -133,6 +133,13 @@ class RolloutMode:
         attention on the recorded pages, + phi) is recomputed for the mismatch metrics."""
         return self.actor_sparse or self.actor_lora
 
+    @property
+    def twin_metrics_only(self) -> bool:
+        """The twin serves the mismatch figures alone: neither theta's trainer (sparse_train's
+        old log-probs) nor phi's training (whose objective its figures measure) reads it, so
+        config metrics.twin_every may skip it on some steps."""
+        return self.has_twin and not self.trainer_sparse and not self.updates_phi
+
 
 MODES = {
     m.name: m

@@ -118,7 +118,10 @@ def _draft_record(r: Rollout):
     return None if r.draft_start is None else (r.draft_start, r.draft_logprobs)
 
 
-def _recompute_rollout(ctx: RunContext, setup: RLSetup, st: TrainState, r: Rollout) -> dict:
+def _recompute_rollout(
+    ctx: RunContext, setup: RLSetup, st: TrainState, r: Rollout, twin: bool = True
+) -> dict:
+    """distill.recompute of the rows of `r`: dense theta and, with `twin`, the actor's twin."""
     return distill.recompute(
         st.params,
         st.lora,
@@ -131,7 +134,7 @@ def _recompute_rollout(ctx: RunContext, setup: RLSetup, st: TrainState, r: Rollo
         graphdef=ctx.graphdef,
         temperature=ctx.config.rl.temperature,
         dense_spec=ctx.spec,
-        twin_spec=setup.twin_spec,
+        twin_spec=setup.twin_spec if twin else None,
         lora_scale=setup.lora_scale,
         chunks=_chunks(setup, r.tokens.shape[0]),
         **_metric_settings(ctx, setup),
@@ -250,17 +253,17 @@ def theta_batch(mode: str, kept, adv_B, dense_logp, twin_logp, c):
 
 
 # ------------------------------------------------------------------------------- phases
-def rollout(ctx: RunContext, setup: RLSetup, st: TrainState, key, step: int):
-    """M samples per prompt from the actor (its attention and adapter: setup.mode). With a
-    mesh each process makes its own block of prompts; the rollout is one global array."""
+def rollout(
+    ctx: RunContext, setup: RLSetup, st: TrainState, key, step: int, data_start: int | None = None
+):
+    """M samples per prompt from the actor (its attention and adapter: setup.mode) on RL step
+    `step`'s prompts, or on those from training index `data_start` on. With a mesh each
+    process makes its own block of prompts; the rollout is one global array."""
     c, plan, p = ctx.config.rl, setup.plan, ctx.config.rl.prompts_per_step
     mine = slice(0, p) if plan is None else plan.local_slice(p)  # this process's prompts
+    start = RL_DATA_OFFSET + step * p if data_start is None else data_start
     batch_problems = problems(
-        ctx.task,
-        "train",
-        RL_DATA_OFFSET + step * p + mine.start,
-        mine.stop - mine.start,
-        ctx.config.seed,
+        ctx.task, "train", start + mine.start, mine.stop - mine.start, ctx.config.seed
     )
     prompts, lengths = batches.encode_prompts(
         ctx.tok, batch_problems, batches.prompt_buffer(ctx.task)
@@ -373,6 +376,14 @@ def _all_rows_step(ctx, step: int) -> bool:
     return every > 0 and step % every == 0
 
 
+def twin_step(ctx, setup: RLSetup, step: int) -> bool:
+    """Whether this RL step recomputes the actor's twin: every step where the trainer or
+    phi needs it; where only the mismatch figures read it (mode.twin_metrics_only), every
+    metrics.twin_every steps (0: never)."""
+    every = ctx.config.metrics.twin_every
+    return not setup.mode.twin_metrics_only or (every > 0 and step % every == 0)
+
+
 def _batch_metrics(ctx, setup: RLSetup, r: Rollout, rec: dict) -> dict:
     """distill.batch_metrics of the rows of `r` from their recompute arrays `rec`."""
     return distill.batch_metrics(
@@ -390,7 +401,8 @@ def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key
     """The oversampling filter keeps n of each prompt's M samples (rl.selection); GRPO
     advantages over the kept n. Selection by acceptance rate, and with M > n every
     metrics.all_rows_every steps, recomputes all M rows first: their mismatch figures are
-    logged as all_*, and the recompute phase reuses the kept rows' arrays."""
+    logged as all_*, and the recompute phase reuses the kept rows' arrays (the twin on
+    the steps `twin_step` says)."""
     c, plan, n, big_m = ctx.config.rl, setup.plan, setup.n, setup.m
     r = gen.rollout
     rec = None
@@ -400,7 +412,7 @@ def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key
         kept_rows = pruned_kept_rows(len(rewards_all), setup.prune)
         r, rewards_all = gather_rows(r, kept_rows, plan), rewards_all[kept_rows]
     if big_m > n and (c.selection == "acceptance" or _all_rows_step(ctx, step)):
-        rec = _recompute_rollout(ctx, setup, st, r)  # all M rows
+        rec = _recompute_rollout(ctx, setup, st, r, twin_step(ctx, setup, step))  # all M rows
     rows, metrics = select_rows(
         rewards_all,
         n,
@@ -494,13 +506,15 @@ def update_head(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all
     return (head, opt_state), metrics
 
 
-def recompute(ctx, setup: RLSetup, st: TrainState, sel: Selected, ref_params):
+def recompute(ctx, setup: RLSetup, st: TrainState, sel: Selected, ref_params, step: int = 0):
     """Teacher-forced forwards of the kept rows, no gradient: dense (theta, no adapter), the
-    actor's twin, exact mismatch metrics; theta's batch with its old log-probs and
-    off-policy corrections; the reference log-probs (rl.kl_coef > 0); and, where phi is
-    trained, its teacher cached before theta moves."""
+    actor's twin (on the steps `twin_step` says), exact mismatch metrics; theta's batch
+    with its old log-probs and off-policy corrections; the reference log-probs
+    (rl.kl_coef > 0); and, where phi is trained, its teacher cached before theta moves."""
     c, kept = ctx.config.rl, sel.kept
-    rec = sel.rec if sel.rec is not None else _recompute_rollout(ctx, setup, st, kept)
+    rec = sel.rec
+    if rec is None:
+        rec = _recompute_rollout(ctx, setup, st, kept, twin_step(ctx, setup, step))
     batch, metrics = theta_batch(
         setup.mode.name, kept, sel.adv, rec["dense_logp"], rec.get("twin_logp"), c
     )
@@ -571,12 +585,18 @@ def update_draft_head(ctx, setup: RLSetup, st: TrainState, batch: dict, key, pre
     return (state, opt_state), metrics
 
 
+def phi_rows(rows: int, stride: int) -> np.ndarray:
+    """The kept rows phi trains on: every `stride`-th (config distill.row_stride)."""
+    return np.arange(0, rows, stride)
+
+
 def update_phi(ctx, setup: RLSetup, st: TrainState, sel: Selected, rec: Recomputed, key):
     """theta frozen (st.params is the updated theta): phi's updates on the same rollouts
     (setup.distill: [L_PPO +] lambda D(actor, teacher)), against the dense teacher (cached
-    before theta's update, or recomputed with the updated theta). In a speculative
-    sparse_self rollout the actor's twin is the drafter (batch key draft_start)."""
-    c, kept = ctx.config.rl, sel.kept
+    before theta's update, or recomputed with the updated theta), on every
+    distill.row_stride-th kept row. In a speculative sparse_self rollout the actor's twin
+    is the drafter (batch key draft_start)."""
+    c, kept, stride = ctx.config.rl, sel.kept, ctx.config.distill.row_stride
     phi_batch = {
         "tokens": kept.tokens,
         "mask": kept.completion_mask,
@@ -586,20 +606,23 @@ def update_phi(ctx, setup: RLSetup, st: TrainState, sel: Selected, rec: Recomput
     }
     if kept.draft_start is not None:
         phi_batch["draft_start"] = kept.draft_start
+    if rec.teacher_logp is not None:
+        phi_batch["teacher_logp"] = rec.teacher_logp
+    if stride > 1:
+        phi_batch = gather_rows(phi_batch, phi_rows(kept.tokens.shape[0], stride), setup.plan)
     teacher_params = rec.teacher_params
     if setup.distill.teacher == "recomputed":
         if setup.distill.exact:  # the teacher's full logits come from a forward in the step
             teacher_params = st.params
         else:  # dense log-probs of the updated theta
+            tokens = phi_batch["tokens"]
             phi_batch["teacher_logp"], _ = recompute_logprobs(
                 st.params,
-                kept.tokens,
+                tokens,
                 graphdef=ctx.graphdef,
                 temperature=c.temperature,
-                chunks=_chunks(setup, kept.tokens.shape[0]),
+                chunks=_chunks(setup, tokens.shape[0]),
             )
-    elif rec.teacher_logp is not None:
-        phi_batch["teacher_logp"] = rec.teacher_logp
     lora, lora_opt_state, ms = _minibatch_updates(
         distill.phi_update,
         st.lora,
@@ -615,3 +638,27 @@ def update_phi(ctx, setup: RLSetup, st: TrainState, sel: Selected, rec: Recomput
         settings=setup.distill,
     )
     return (lora, lora_opt_state), _summarize_updates(ms, prefix="phi_")
+
+
+def warmup_phi(ctx, setup: RLSetup, st: TrainState, key, i: int):
+    """Step i (0-based) of phi's warm start (distill.warmup_steps, before RL step 1; setup:
+    rl_state.phi_warmup_setup): the actor's rollout (the mode's, with its draft record in
+    speculative sparse_self) of the training prompts before RL's, the twin's mismatch
+    figures on it, then phi's update towards theta, which stays frozen."""
+    plan, p = setup.plan, ctx.config.rl.prompts_per_step
+    k_roll, k_phi = jax.random.split(key)
+    gen, metrics = rollout(ctx, setup, st, k_roll, 0, data_start=RL_DATA_OFFSET - (i + 1) * p)
+    kept = gen.rollout if plan is None else plan.shard_batch(gen.rollout)
+    rec = _recompute_rollout(ctx, setup, st, kept)
+    adv_B = sharding.as_global(plan, jnp.zeros(kept.tokens.shape[0], jnp.float32))  # unread
+    teacher_logp = rec["dense_logp"] if setup.distill.teacher == "cached" else None
+    phi, phi_metrics = update_phi(
+        ctx,
+        setup,
+        st,
+        Selected(kept, None, adv_B, None),
+        Recomputed(None, teacher_logp, None),
+        k_phi,
+    )
+    metrics.update(distill.flatten_metrics(jax.device_get(rec["metrics"])))
+    return phi, {**metrics, **phi_metrics}

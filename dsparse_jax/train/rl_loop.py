@@ -12,10 +12,11 @@ policy, exact from full logits) are logged every step; see distill.py.
 Resumable: the checkpoint holds params, optimizer state, the RNG key (every step's
 rollout, filter and shuffle keys derive from it), the step, the data position and the
 count of consecutive skipped steps, and where the actor has phi the LoRA tree and its
-optimizer state, and with rl.prune the quality head and its optimizer state; a
-restart continues exactly from the newest usable checkpoint in
-<workdir>/checkpoints (corrupt ones are skipped) and drops metrics of steps it is about to
-redo. A non-finite loss or gradient skips the update; rl.max_consecutive_skips in a row
+optimizer state, and with rl.prune the quality head and its optimizer state; a restart
+continues exactly from the newest usable checkpoint in <workdir>/checkpoints (corrupt
+ones are skipped) and drops metrics of steps it is about to redo. phi's warm start
+(distill.warmup_steps, before RL step 1) ends with a checkpoint at step 0 marked so that
+a resume does not repeat it. A non-finite loss or gradient skips the update; rl.max_consecutive_skips in a row
 halt the run. See docs/reliability.md.
 """
 
@@ -41,6 +42,8 @@ from dsparse_jax.train.rl_state import (
     TrainState,
     init_state,
     make_setup,
+    phi_warmup_setup,
+    place,
 )
 
 __all__ = ["RL_DATA_OFFSET", "evaluate", "init_state", "make_setup", "rl_step", "train_rl"]
@@ -75,7 +78,7 @@ def rl_step(
         head = (st.head, st.head_opt_state)
         if gen.prune is not None:  # the quality head learns from this step's completed rows
             head = log.run("update_head", phases.update_head, ctx, setup, st, gen, scored.rewards)
-        rec = log.run("recompute", phases.recompute, ctx, setup, st, sel, ref_params)
+        rec = log.run("recompute", phases.recompute, ctx, setup, st, sel, ref_params, step)
         params, opt_state = log.run(
             "update_theta", phases.update_theta, ctx, setup, st, rec, k_theta
         )
@@ -130,6 +133,7 @@ def evaluate(
 # starts its quality head fresh; one with rl.draft=history, an empty bank).
 OPTIONAL_KEYS = (
     "consecutive_skips",
+    "phi_warmup_steps",
     "quality_head",
     "quality_head_opt_state",
     "history",
@@ -139,14 +143,26 @@ OPTIONAL_KEYS = (
 
 
 def _saveable(
-    st: TrainState, rng, step: int, data_position: int, consecutive_skips: int = 0, bank=None
+    st: TrainState,
+    rng,
+    step: int,
+    data_position: int,
+    consecutive_skips: int = 0,
+    bank=None,
+    phi_warmup_steps: int = 0,
 ) -> dict:
+    """The checkpoint tree; phi_warmup_steps: the steps of phi's warm start behind this
+    state (0: none), the marker that keeps a resume at step 0 from repeating it."""
     tree = checkpoints.to_saveable(
         st.params,
         st.opt_state,
         rng=rng,
         step=step,
-        extra={"data_position": data_position, "consecutive_skips": consecutive_skips},
+        extra={
+            "data_position": data_position,
+            "consecutive_skips": consecutive_skips,
+            "phi_warmup_steps": phi_warmup_steps,
+        },
     )
     if st.lora is not None:  # flat leaf lists, like opt_state (int-keyed dicts stay out)
         tree["lora"] = jax.tree.leaves(st.lora)
@@ -200,7 +216,9 @@ def restore_state(ckpt, step: int, st: TrainState) -> TrainState:
 
 
 def _resume(ckpt, st: TrainState, rng, mode: str, prompts_per_step: int, bank=None):
-    """(state, rng, step, consecutive skips) from the newest usable checkpoint, if any."""
+    """(state, rng, step, consecutive skips, phi's warm-start steps behind the state) from
+    the newest usable checkpoint, if any (a checkpoint at step 0 is the one saved after
+    phi's warm start; checkpoints older than the marker count none)."""
     try:
         found = ckpt.restore_latest(_saveable(st, rng, 0, 0, bank=bank), OPTIONAL_KEYS)
     except checkpoints.IncompatibleCheckpoint as e:  # e.g. another rollout mode
@@ -210,7 +228,7 @@ def _resume(ckpt, st: TrainState, rng, mode: str, prompts_per_step: int, bank=No
     except checkpoints.CheckpointError as e:
         raise UserError(f"{ckpt.directory}: {e}") from None
     if found is None:
-        return st, rng, 0, 0
+        return st, rng, 0, 0, 0
     st, rng, step, extra = _from_tree(found[1], st)
     if bank is not None and "history" in extra:
         bank.load(extra["history"])
@@ -220,7 +238,8 @@ def _resume(ckpt, st: TrainState, rng, mode: str, prompts_per_step: int, bank=No
             f"cannot resume from {ckpt.directory} step {step}: data position "
             f"{position} does not match rl.prompts_per_step={prompts_per_step}"
         )
-    return st, rng, step, int(extra.get("consecutive_skips", 0))
+    skips, warmed = (int(extra.get(k, 0)) for k in ("consecutive_skips", "phi_warmup_steps"))
+    return st, rng, step, skips, warmed
 
 
 def warm_start_draft_head(ctx: RunContext, setup: RLSetup, st: TrainState, writer) -> TrainState:
@@ -250,6 +269,28 @@ def warm_start_draft_head(ctx: RunContext, setup: RLSetup, st: TrainState, write
     return st
 
 
+def warm_start_phi(ctx: RunContext, setup: RLSetup, st: TrainState, writer) -> TrainState:
+    """distill.warmup_steps before RL step 1 (modes that train phi): phi distilled to the
+    warm-start dense policy on the actor's own rollouts, theta frozen (phases.warmup_phi),
+    with an optimizer state of its own (rl_state.phi_warmup_setup; RL's phi optimizer
+    starts fresh after it). Logged as phase phi_warmup, one record per step."""
+    total = ctx.config.distill.warmup_steps
+    warm = phi_warmup_setup(setup, ctx.config.lora)
+    phi = dataclasses.replace(st, lora_opt_state=place(setup, warm.lora_tx.init(st.lora)))
+    progress = Progress("phi_warmup", total, every=ctx.config.log.every)
+    key = jax.random.key(ctx.config.seed + 7)
+    for i in range(total):
+        log = phases.PhaseLog()
+        phi.lora, phi.lora_opt_state = log.run(
+            "phi_warmup", phases.warmup_phi, ctx, warm, phi, jax.random.fold_in(key, i), i
+        )
+        m = log.summary()
+        writer.write("phi_warmup", i + 1, m)
+        progress.update(i + 1, m, ("kl_exact", "alpha_mean", "phi_loss"))
+    progress.close()
+    return dataclasses.replace(st, lora=phi.lora)
+
+
 def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
     c = ctx.config.rl
     setup = make_setup(ctx)
@@ -260,20 +301,33 @@ def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
     if setup.plan is None:  # committed, like a restored key (see init_state)
         rng = jax.device_put(rng, jax.devices()[0])
     ckpt = checkpoints.Checkpointer(workdir, "checkpoints", keep=ctx.config.checkpoint.keep)
-    st, rng, step, skips = _resume(
+    st, rng, step, skips, warmed = _resume(
         ckpt, st, rng, setup.mode.name, c.prompts_per_step, setup.history
     )
     if step:
         print(f"[rl] resuming from checkpoint at step {step}", flush=True)
+    elif warmed:
+        print(f"[rl] resuming after phi's warm start ({warmed} steps): not repeated", flush=True)
     # Metrics of work lost in a kill are redone (step 0's evaluation too, when no
-    # checkpoint exists yet).
+    # checkpoint exists yet; phi's warm start when no checkpoint follows it).
     writer.drop_after("rl", step)
     writer.drop_after("eval", step if step else -1)
+    writer.drop_after("phi_warmup", warmed)
     # A copy: the first update donates sft_params' buffers.
     ref_params = jax.tree.map(jnp.copy, sft_params) if setup.settings.kl_coef > 0 else None
     if setup.plan is not None:
         ref_params = setup.plan.shard_state(ref_params)
     if step == 0:
+        if ctx.config.distill.warmup_steps and not warmed:  # validation: modes with phi
+            st = warm_start_phi(ctx, setup, st, writer)
+            warmed = ctx.config.distill.warmup_steps
+            try:  # step 0, marked, written before RL starts: a resume goes on from here
+                tree = _saveable(st, rng, 0, RL_DATA_OFFSET, 0, setup.history, warmed)
+                ckpt.save(0, tree, force=True)
+                ckpt.wait()
+            except checkpoints.CheckpointError as e:  # non-finite phi: never saved
+                ckpt.close()
+                raise SystemExit(f"[rl] halted after phi's warm start: {e}") from None
         if setup.draft_head is not None and setup.draft_head.warmup_steps:
             st = warm_start_draft_head(ctx, setup, st, writer)
         evaluate(ctx, setup, st, 0, writer, jax.random.key(ctx.config.seed + 2))
@@ -316,6 +370,7 @@ def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
                         RL_DATA_OFFSET + step * c.prompts_per_step,
                         skips,
                         setup.history,
+                        warmed,
                     ),
                     force=step == c.num_steps,
                 )

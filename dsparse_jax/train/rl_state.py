@@ -240,14 +240,39 @@ def make_setup(ctx: RunContext) -> RLSetup:
     )
 
 
-def init_state(ctx: RunContext, setup: RLSetup, params) -> TrainState:
-    # Onto the mesh; one device: committed to it, like restored checkpoints, so a resumed
-    # run compiles (and hits the compilation cache with) the same programs as a fresh one.
-    put = (
-        (lambda t: jax.device_put(t, jax.devices()[0]))
-        if setup.plan is None
-        else setup.plan.shard_state
+# phi's warm start (distill.warmup_steps) distils to theta, which it leaves frozen, so the
+# cached and the recomputed teacher agree: the cheaper, by DistillSettings.exact (a sampled
+# estimator reads the recompute's dense log-probs, an exact one a forward of theta itself).
+WARMUP_TEACHER = {False: "cached", True: "recomputed"}
+
+
+def phi_warmup_setup(setup: RLSetup, lora_section) -> RLSetup:
+    """The setup of phi's warm start: n samples per prompt, no pruning, phi's objective
+    without its PPO term (loss kl_only; the mode's divergence), and its own optimizer:
+    AdamW at lora.learning_rate (lora_section), constant."""
+    d = setup.distill
+    d = dataclasses.replace(d, loss="kl_only", teacher=WARMUP_TEACHER[d.exact])
+    tx = steps.make_optimizer(
+        lora_section.learning_rate,
+        warmup_steps=0,
+        total_steps=1,
+        weight_decay=lora_section.weight_decay,
+        max_grad_norm=lora_section.max_grad_norm,
+        schedule="constant",
     )
+    return dataclasses.replace(setup, m=setup.n, prune=None, distill=d, lora_tx=tx)
+
+
+def place(setup: RLSetup, tree):
+    """Onto the mesh; one device: committed to it, like restored checkpoints, so a resumed
+    run compiles (and hits the compilation cache with) the same programs as a fresh one."""
+    if setup.plan is None:
+        return jax.device_put(tree, jax.devices()[0])
+    return setup.plan.shard_state(tree)
+
+
+def init_state(ctx: RunContext, setup: RLSetup, params) -> TrainState:
+    put = lambda t: place(setup, t)
     params = put(params)
     st = TrainState(params=params, opt_state=put(setup.tx.init(params)))
     if setup.mode.actor_lora:
