@@ -4,7 +4,8 @@
   sampler's drafter (`_draft_head`) computes at its draft step j on the same tokens, from
   a head cache built as in a rollout (prompt prefill, one verify whose later entries were
   rejected): 1e-5 in log-probabilities, ragged rows, every step of a 4-token draft. Step 0
-  also equals the teacher-forced logits at every position.
+  also equals the teacher-forced logits at every position. Planted bugs (the true feature
+  instead of the head's own output; the block's own entries one position late) fail it.
 - Its masks: step j trains only where the block start t - j is a completion token.
 - head_update with unroll trains the unrolled steps (their KL falls on a fixed batch).
 - rl.draft_head.unroll is validated (an integer in [0, rl.draft_tokens]).
@@ -45,18 +46,19 @@ def models():
     return graphdef, state, hg, hs
 
 
-def test_unrolled_logits_equal_the_drafters(models):
-    """Two rows: prompts of 5 and 4 tokens, a verify of 5 tokens that emitted 2 and 1
-    (the head's entries past them hold rejected-block features), then a 4-token draft from
-    the new last token. The unroll over [true tokens up to cur, d_1..d_3] gives the
-    drafter's q at every step."""
+@pytest.fixture(scope="module")
+def drafted(models):
+    """A 4-token draft of the sampler's drafter (`_draft_head`) in two rows: prompts of 5
+    and 4 tokens, a verify of 5 tokens that emitted 2 and 1 (the head's entries past them
+    hold the rejected block's features), then the draft from the new last token. Returns
+    (q [B, K, V], cur [B], the drafted block as a sequence (the true tokens up to cur,
+    then d_1..d_{K-1}), the head and the policy)."""
     graphdef, state, hg, hs = models
     policy, head = nnx.merge(graphdef, state), nnx.merge(hg, hs)
-    cfg = SamplingConfig(8, VOCAB + 1, 0, temperature=1.0)
     ctx = dict(
         head=head,
         model=policy,
-        cfg=cfg,
+        cfg=SamplingConfig(8, VOCAB + 1, 0, temperature=1.0),
         spec_cfg=SP.SpeculativeConfig(draft="draft_head", draft_tokens=K),
     )
     rows = jnp.arange(2)
@@ -70,22 +72,54 @@ def test_unrolled_logits_equal_the_drafters(models):
     head_st = SP._head_observe(ctx, head_st, ver_h, verify_in, lengths, n_new)
     cur = lengths + n_new
     out = SP._draft_head(ctx, SP.DraftIn(tokens, cur, cur + 1, caches, jax.random.key(7), head_st))
-    q_BxKxV = np.asarray(out.probs)
-
-    # The drafted block as a sequence: the true tokens up to cur, then d_1..d_{K-1}.
     at = cur[:, None] + 1 + jnp.arange(K - 1)
     seq = tokens.at[rows[:, None], at].set(out.drafts[:, : K - 1])
+    return np.asarray(out.probs), np.asarray(cur), seq, head, policy
+
+
+def _step_errors(drafted, unrolled=draft_head.unrolled_logits):
+    """Per draft step, the largest |log q - log_softmax(unrolled)| over the two rows, and
+    the unrolled step 0 against the teacher-forced logits at every position."""
+    q_BxKxV, cur, seq, head, policy = drafted
     _, hiddens = policy.forward(seq, hidden_at=LAYERS)
     emb, embed = policy.embed_tokens(seq), policy.embed[...]
-    got = draft_head.unrolled_logits(head, hiddens, emb, embed, K)  # [K, B, S, V]
-    want_tf = draft_head.teacher_forced_logits(head, hiddens, emb, embed)
-    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want_tf), atol=1e-5)
+    got = unrolled(head, hiddens, emb, embed, K)  # [K, B, S, V]
+    tf = draft_head.teacher_forced_logits(head, hiddens, emb, embed)
     logp = np.asarray(jax.nn.log_softmax(got, axis=-1))
-    for b in range(2):
-        for j in range(K):
-            np.testing.assert_allclose(
-                logp[j, b, int(cur[b]) + j], np.log(q_BxKxV[b, j]), atol=1e-5, err_msg=f"{b} {j}"
-            )
+    errs = [
+        max(np.abs(logp[j, b, cur[b] + j] - np.log(q_BxKxV[b, j])).max() for b in range(2))
+        for j in range(K)
+    ]
+    return errs, float(np.abs(np.asarray(got[0]) - np.asarray(tf)).max())
+
+
+def test_unrolled_logits_equal_the_drafters(drafted):
+    errs, tf_err = _step_errors(drafted)
+    assert max(errs) < 1e-5, errs
+    assert tf_err < 1e-5, tf_err
+
+
+def _true_feature_unroll(head, hiddens, emb, embed, steps):
+    """Planted bug: every step reads the policy's true feature, not the head's output."""
+    g = draft_head.shifted_features(head.feature(hiddens))
+    ks, vs, out = [], [], []
+    for _ in range(steps):
+        h, ks, vs = head.unrolled_pass(g, emb, ks, vs)
+        out.append(head.logits(h, embed))
+    return jnp.stack(out)
+
+
+@pytest.mark.parametrize("bug", ["true_feature", "own_entries_one_late"])
+def test_planted_unroll_bugs_fail(drafted, bug, monkeypatch):
+    """Step 0 still matches; the later steps do not."""
+    unrolled = draft_head.unrolled_logits
+    if bug == "true_feature":
+        unrolled = _true_feature_unroll
+    else:
+        shift = draft_head._shift
+        monkeypatch.setattr(draft_head, "_shift", lambda x, n: shift(x, n + 1))
+    errs, _ = _step_errors(drafted, unrolled)
+    assert errs[0] < 1e-5 and min(errs[1:]) > 1e-2, errs
 
 
 def test_unroll_masks():
