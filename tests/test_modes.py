@@ -46,8 +46,11 @@ def ctx():
 def _with(ctx, **rl):
     c = copy.deepcopy(ctx.config)
     for k, v in rl.items():
-        section, field = k.split("__")
-        c[section][field] = v
+        *sections, field = k.split("__")
+        section = c
+        for part in sections:
+            section = section[part]
+        section[field] = v
     validate(c)
     return context.RunContext(**{**ctx.__dict__, "config": c})
 
@@ -223,6 +226,7 @@ def test_speculative_mode_runs_two_steps(ctx, draft, monkeypatch, tmp_path):
         rl__rollout_mode="speculative",
         rl__draft=draft,
         rl__draft_tokens=3,
+        rl__draft_head__unroll=3,  # <= draft_tokens; trains the head on its own unroll
         rl__samples_generated=3,
     )
     # A finite training set of the step's two prompts: they recur at step 2.

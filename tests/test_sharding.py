@@ -161,7 +161,7 @@ def test_speculative_draft_head_step_on_mesh(base_ctx, monkeypatch):
     def run(shape):
         c = mesh_config(shape)
         c.rl.rollout_mode, c.rl.draft, c.rl.samples_generated = "speculative", "draft_head", 0
-        c.rl.draft_tokens = 3
+        c.rl.draft_tokens = c.rl.draft_head.unroll = 3
         validate(c)
         return _one_step(context.RunContext(**{**base_ctx.__dict__, "config": c}))
 

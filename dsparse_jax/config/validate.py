@@ -468,7 +468,8 @@ def _validate_distill(c) -> None:
 
 
 def _validate_draft_head(c) -> None:
-    """rl.draft_head: layers inside the model, positive steps, a learning rate."""
+    """rl.draft_head: layers inside the model, positive steps, a learning rate, an unroll
+    of at most rl.draft_tokens steps."""
     from dsparse_jax.model.draft_head import parse_layers
 
     h = c.rl.draft_head
@@ -489,6 +490,12 @@ def _validate_draft_head(c) -> None:
     _check(h.loss_weight > 0, "rl.draft_head.loss_weight", "must be > 0")
     _positive_int(c, "rl.draft_head.steps")
     _nonneg(c, "rl.draft_head.warmup_steps", integer=True)
+    _nonneg(c, "rl.draft_head.unroll", integer=True)
+    _check(
+        h.unroll <= c.rl.draft_tokens,
+        "rl.draft_head.unroll",
+        f"must be <= rl.draft_tokens ({c.rl.draft_tokens}), got {h.unroll}",
+    )
 
 
 # Settings that contradict the rollout mode (rl/modes.py properties) or each other:

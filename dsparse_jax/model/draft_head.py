@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from dsparse_jax.attention import cache as kv_cache
-from dsparse_jax.attention.dense import softcap
+from dsparse_jax.attention.dense import MASK_VALUE, softcap
 from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.model import transformer
 from dsparse_jax.model.config import ModelConfig
@@ -84,13 +84,32 @@ class DraftHead(nnx.Module):
         x = jnp.stack([norm(h) for norm, h in zip(self.feat_norms, hiddens)], axis=-2)
         return jnp.einsum("...nd,nde->...e", x, self.fuse[...].astype(x.dtype))
 
+    def _input(self, g_BxTxD, emb_BxTxD):
+        """The block's input proj([g, emb(x)]) [B, T, D]."""
+        x = jnp.stack([self.in_norm(g_BxTxD), self.emb_norm(emb_BxTxD)], axis=-2)
+        return jnp.einsum("...nd,nde->...e", x, self.proj[...].astype(x.dtype))
+
     def __call__(self, g_BxTxD, emb_BxTxD, mode: str, **kw):
         """h [B, T, D] and the head's cache; mode and kw as `Block` (train | prefill |
         decode | extend, cache, pos_B, lengths_B). Dense attention."""
-        x = jnp.stack([self.in_norm(g_BxTxD), self.emb_norm(emb_BxTxD)], axis=-2)
-        x = jnp.einsum("...nd,nde->...e", x, self.proj[...].astype(x.dtype))
-        h, cache, _ = self.block(x, mode, HEAD_SPEC, **kw)
+        h, cache, _ = self.block(self._input(g_BxTxD, emb_BxTxD), mode, HEAD_SPEC, **kw)
         return h, cache
+
+    def unrolled_pass(self, g_BxTxD, emb_BxTxD, ks: list, vs: list):
+        """Pass j = len(ks) of the unrolled training (`unrolled_logits`): `Block.__call__`
+        with `_unrolled_attention` over the K/V of passes 0..j. Returns (h [B, T, D], ks
+        and vs with this pass's K/V [B, T, K, H] appended)."""
+        block, attn = self.block, self.block.attn
+        x = self._input(g_BxTxD, emb_BxTxD)
+        b, t, _ = x.shape
+        q, k, v = attn._qkv(
+            block.pre_attn_norm(x), jnp.broadcast_to(jnp.arange(t), (b, t)), None, 1.0
+        )
+        ks, vs = ks + [k], vs + [v]
+        a = attn._out(_unrolled_attention(q, ks, vs, attn.info), None, 1.0)
+        x = x + block.post_attn_norm(a)
+        x = x + block.post_mlp_norm(block.mlp(block.pre_mlp_norm(x)))
+        return x, ks, vs
 
     def logits(self, h, embed_VxD):
         """The draft distribution's logits [..., V] (f32) through the policy's unembedding."""
@@ -130,6 +149,63 @@ def teacher_forced_logits(head: DraftHead, hiddens, tokens_emb_BxTxD, embed_VxD)
     g = shifted_features(head.feature(hiddens))
     h, _ = head(g, tokens_emb_BxTxD, "train")
     return head.logits(h, embed_VxD)
+
+
+def _shift(x_BxTx, n: int):
+    """x delayed by n positions along axis 1 (entry t holds x[t - n]; zeros before 0)."""
+    pad = [(0, 0), (n, 0)] + [(0, 0)] * (x_BxTx.ndim - 2)
+    return jnp.pad(x_BxTx, pad)[:, : x_BxTx.shape[1]]
+
+
+def _unrolled_attention(q_BxTxNxH, ks, vs, info):
+    """Attention of unroll pass j = len(ks) - 1. Its query at t is draft step j of the
+    block that starts at c = t - j, and sees what the head's cache holds at that draft
+    step: pass 0's entries (the true features) at positions <= c, and pass i's entry at
+    c + i for i = 1..j (the head's own outputs of this block; i = j is its own entry).
+    ks / vs: per pass, [B, T, K, H]."""
+    if info.window is not None:
+        raise ValueError("the draft head's attention is global")
+    j = len(ks) - 1
+    b, t, n, h = q_BxTxNxH.shape
+    kv = ks[0].shape[2]
+    q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, kv, n // kv, h) * info.scale
+    pos = jnp.arange(t)
+    logits = jnp.einsum("btkgh,bskh->btkgs", q_BxTxKxGxH, ks[0], preferred_element_type=jnp.float32)
+    ok_TxS = pos[None, :] <= pos[:, None] - j
+    if j:  # pass i's entry at c + i = t - (j - i): pass i's K/V delayed by j - i
+        k_BxTxJxKxH = jnp.stack([_shift(ks[i], j - i) for i in range(1, j + 1)], axis=2)
+        v_BxTxJxKxH = jnp.stack([_shift(vs[i], j - i) for i in range(1, j + 1)], axis=2)
+        own = jnp.einsum(
+            "btkgh,btikh->btkgi", q_BxTxKxGxH, k_BxTxJxKxH, preferred_element_type=jnp.float32
+        )
+        logits = jnp.concatenate([logits, own], axis=-1)
+        ok_TxJ = pos[:, None] - (j - jnp.arange(1, j + 1))[None, :] >= 0
+        ok_TxS = jnp.concatenate([ok_TxS, ok_TxJ], axis=1)
+    logits = softcap(logits, info.softcap)
+    logits = jnp.where(ok_TxS[None, :, None, None], logits.astype(jnp.float32), MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1).astype(vs[0].dtype)
+    out = jnp.einsum("btkgs,bskh->btkgh", probs[..., :t], vs[0])
+    if j:
+        out = out + jnp.einsum("btkgi,btikh->btkgh", probs[..., t:], v_BxTxJxKxH)
+    return out.reshape(b, t, n, h)
+
+
+def unrolled_logits(head: DraftHead, hiddens, tokens_emb_BxTxD, embed_VxD, steps: int):
+    """EAGLE-3's training-time test: the head's logits at draft steps 0..steps-1 of a
+    draft block starting at every position, [steps, B, T, V]. Entry [j, :, t] is draft
+    step j of the block starting at c = t - j, exactly as the drafter computes it
+    (sampling/speculative.py `_draft_head`, with the true tokens as the drafts): step 0
+    takes the policy's feature of c - 1 and x_c, step j > 0 the head's own output of step
+    j - 1 (at t - 1) and x_t, attending to the true entries at <= c and its own entries
+    of steps 1..j. One pass per step over the whole sequence (pass j reads pass j - 1's
+    outputs); step 0 equals `teacher_forced_logits` up to float rounding."""
+    g = shifted_features(head.feature(hiddens))
+    ks, vs, out = [], [], []
+    for _ in range(steps):
+        h, ks, vs = head.unrolled_pass(g, tokens_emb_BxTxD, ks, vs)
+        out.append(head.logits(h, embed_VxD))
+        g = shifted_features(h)  # the next step at t reads this step's output at t - 1
+    return jnp.stack(out)
 
 
 # ------------------------------------------------------------------------------- export

@@ -9,6 +9,13 @@ verify its next drafts. Its own Adam and its own gradient-norm clip group: its g
 never share a global norm with theta's. Metrics: the loss, KL(p || q) (the loss minus
 the policy's entropy: 0 for a perfect drafter) and the top-1 agreement (the greedy
 acceptance rate of a first draft) before and after the update, and the gradient norm.
+
+With `unroll` = k >= 2 (rl.draft_head.unroll; EAGLE-3's training-time test) the head also
+trains on its own k-step unroll, what it drafts from: draft steps 2..k of a block starting
+at every completion position feed it its own output as the feature
+(`draft_head.unrolled_logits`), each step's soft cross-entropy against the policy at the
+position it predicts. The loss is the mean over the k steps; `loss`, `kl`, `top1_agree`
+stay the first step's, and `kl_<j>`, `top1_agree_<j>` report step j = 2..k.
 """
 
 from __future__ import annotations
@@ -35,6 +42,18 @@ def loss_mask(completion_mask_BxT):
     return jnp.pad(completion_mask_BxT[:, 1:], ((0, 0), (0, 1)))
 
 
+def unroll_masks(completion_mask_BxT, steps: int):
+    """[max(steps, 1), B, T]: the positions draft step j (0-based) of the unroll is trained
+    at. Step 0: `loss_mask`. Step j > 0 at t: also a completion token at the block start
+    t - j (the drafter starts a block only at a generated token)."""
+    mask_BxT = loss_mask(completion_mask_BxT)
+    out = [mask_BxT]
+    for j in range(1, steps):
+        start_BxT = jnp.pad(completion_mask_BxT, ((0, 0), (j, 0)))[:, : mask_BxT.shape[1]]
+        out.append(mask_BxT * start_BxT)
+    return jnp.stack(out)
+
+
 def _policy_targets(params, tokens_BxT, graphdef, layers, temperature):
     """The dense policy's features at `layers`, its token embeddings and its log-probs at
     the rollout temperature (no gradient)."""
@@ -46,25 +65,33 @@ def _policy_targets(params, tokens_BxT, graphdef, layers, temperature):
     return jax.tree.map(jax.lax.stop_gradient, out)
 
 
-def _loss(head_state, head_graphdef, targets, mask_BxT, temperature, loss_weight):
+def _loss(head_state, head_graphdef, targets, masks_SxBxT, temperature, loss_weight):
+    """The mean over the unroll's steps of each step's soft cross-entropy (one step:
+    teacher-forced only, today's loss)."""
     hiddens, emb, p_logp, embed = targets
     head = nnx.merge(head_graphdef, head_state)
-    q_logp = jax.nn.log_softmax(
-        draft_head.teacher_forced_logits(head, hiddens, emb, embed) / temperature, axis=-1
-    )
+    steps = masks_SxBxT.shape[0]
+    if steps == 1:
+        logits = draft_head.teacher_forced_logits(head, hiddens, emb, embed)[None]
+    else:
+        logits = draft_head.unrolled_logits(head, hiddens, emb, embed, steps)
+    q_logp = jax.nn.log_softmax(logits / temperature, axis=-1)
     p = jnp.exp(p_logp)
-    ce = -jnp.sum(p * q_logp, axis=-1)
+    ce = -jnp.sum(p * q_logp, axis=-1)  # [S, B, T]
     ent = -jnp.sum(p * p_logp, axis=-1)
     agree = (jnp.argmax(q_logp, -1) == jnp.argmax(p_logp, -1)).astype(jnp.float32)
-    den = jnp.maximum(mask_BxT.sum(), 1.0)
-    mean = lambda x: jnp.sum(x * mask_BxT) / den
-    metrics = {"loss": mean(ce), "kl": mean(ce - ent), "top1_agree": mean(agree)}
-    return loss_weight * metrics["loss"], metrics
+    den_S = jnp.maximum(masks_SxBxT.sum((1, 2)), 1.0)
+    mean = lambda x: jnp.sum(x * masks_SxBxT, (1, 2)) / den_S
+    ce_S, kl_S, agree_S = mean(ce), mean(ce - ent), mean(agree)
+    metrics = {"loss": ce_S[0], "kl": kl_S[0], "top1_agree": agree_S[0]}
+    for j in range(1, steps):
+        metrics[f"kl_{j + 1}"], metrics[f"top1_agree_{j + 1}"] = kl_S[j], agree_S[j]
+    return loss_weight * jnp.mean(ce_S), metrics
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "head_graphdef", "layers", "tx", "steps", "temperature"),
+    static_argnames=("graphdef", "head_graphdef", "layers", "tx", "steps", "temperature", "unroll"),
     donate_argnums=(0, 1),
 )
 def head_update(
@@ -80,13 +107,15 @@ def head_update(
     steps: int = 1,
     temperature: float = 1.0,
     loss_weight: float = 1.0,
+    unroll: int = 0,
 ):
     """`steps` Adam steps of the head on one batch {"tokens" [B, T], "mask" [B, T] (the
-    completion mask)} against the policy `params` (frozen). Returns (head_state,
-    opt_state, metrics: loss / kl / top1_agree before and after, grad_norm of the first
+    completion mask)} against the policy `params` (frozen); `unroll` >= 2: also on draft
+    steps 2..unroll of its own unroll. Returns (head_state, opt_state, metrics: loss / kl
+    / top1_agree (and kl_<j> / top1_agree_<j>) before and after, grad_norm of the first
     step)."""
     targets = _policy_targets(params, batch["tokens"], graphdef, layers, temperature)
-    mask = loss_mask(batch["mask"])
+    mask = unroll_masks(batch["mask"], unroll)
     grad_fn = jax.value_and_grad(_loss, has_aux=True)
 
     def one(carry, _):

@@ -580,6 +580,7 @@ def update_draft_head(ctx, setup: RLSetup, st: TrainState, batch: dict, key, pre
         steps=h.steps,
         temperature=c.temperature or 1.0,
         loss_weight=h.loss_weight,
+        unroll=h.unroll,
     )
     metrics = {prefix + k: float(np.mean([m[k] for m in ms])) for k in ms[0]}
     return (state, opt_state), metrics

@@ -126,6 +126,7 @@ class DraftHeadSetup:
     steps: int
     loss_weight: float
     warmup_steps: int
+    unroll: int  # draft steps trained on its own unroll (train/draft_head.py)
 
 
 def draft_head_setup(c, model_cfg) -> DraftHeadSetup:
@@ -143,6 +144,7 @@ def draft_head_setup(c, model_cfg) -> DraftHeadSetup:
         steps=h.steps,
         loss_weight=float(h.loss_weight),
         warmup_steps=h.warmup_steps,
+        unroll=h.unroll,
     )
 
 
