@@ -226,7 +226,7 @@ def test_speculative_mode_runs_two_steps(ctx, draft, monkeypatch, tmp_path):
         rl__rollout_mode="speculative",
         rl__draft=draft,
         rl__draft_tokens=3,
-        rl__draft_head__unroll=3,  # <= draft_tokens; trains the head on its own unroll
+        rl__draft_head__unroll=3,  # trains the head on its own unroll
         rl__samples_generated=3,
     )
     # A finite training set of the step's two prompts: they recur at step 2.

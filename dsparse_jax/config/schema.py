@@ -183,9 +183,9 @@ def defaults() -> ml_collections.ConfigDict:
     c.rl.draft_head.steps = 4  # Adam steps per minibatch of each RL step's kept rows
     c.rl.draft_head.warmup_steps = 100  # before RL step 1: steps on SFT solutions; 0: none
     # EAGLE-3's training-time test: also train draft steps 2..unroll on the head's own
-    # unroll (its own output as the feature); 0 or 1: teacher-forced only. <= draft_tokens
-    # (lower it with draft_tokens). 4 lifted draft positions 2-4 from 0.57 / 0.56 / 0.47 to
-    # 0.96 / 0.86 / 0.90 over 30 RL steps (docs/speculative.md).
+    # unroll (its own output as the feature); 0 or 1: teacher-forced only; capped at
+    # rl.draft_tokens (the steps a draft has). 4 lifted draft positions 2-4 from 0.57 /
+    # 0.56 / 0.47 to 0.96 / 0.86 / 0.90 over 30 RL steps (docs/speculative.md).
     c.rl.draft_head.unroll = 4
     c.rl.selection = "reward"  # top-n of the M by reward | acceptance (rate vs dense)
     c.rl.acceptance_C = 1.0  # Bernoulli test probability min(1, p_dense / (C p_sparse))

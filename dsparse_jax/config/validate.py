@@ -491,11 +491,6 @@ def _validate_draft_head(c) -> None:
     _positive_int(c, "rl.draft_head.steps")
     _nonneg(c, "rl.draft_head.warmup_steps", integer=True)
     _nonneg(c, "rl.draft_head.unroll", integer=True)
-    _check(
-        h.unroll <= c.rl.draft_tokens,
-        "rl.draft_head.unroll",
-        f"must be <= rl.draft_tokens ({c.rl.draft_tokens}), got {h.unroll}",
-    )
 
 
 # Settings that contradict the rollout mode (rl/modes.py properties) or each other:

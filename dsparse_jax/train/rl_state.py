@@ -144,7 +144,7 @@ def draft_head_setup(c, model_cfg) -> DraftHeadSetup:
         steps=h.steps,
         loss_weight=float(h.loss_weight),
         warmup_steps=h.warmup_steps,
-        unroll=h.unroll,
+        unroll=min(h.unroll, c.draft_tokens),  # a draft has draft_tokens steps to unroll
     )
 
 
