@@ -32,11 +32,16 @@ _TABLE = {
         _variant("distillsparse", samples_generated="2n"),
         "DistillSparse + oversampling M = 2n, top-n by reward",
     ),
+    "speculative": (
+        {**_variant("speculative"), "rl.draft": "sparse_self"},
+        "speculative: exact dense rollouts drafted by the sparse + phi actor (phi distilled "
+        "to the verifier)",
+    ),
 }
 VARIANTS = {name: overrides for name, (overrides, _) in _TABLE.items()}
 DESCRIPTIONS = {name: description for name, (_, description) in _TABLE.items()}
 ORDER = tuple(_TABLE)
-MAIN = ("dense", "sparse", "distillsparse")  # the main comparison: every seed
+MAIN = ("dense", "sparse", "distillsparse", "speculative")  # the main comparison: every seed
 ALIASES = {
     "sparse+tis": "sparse_tis",
     "sparse+mis": "sparse_mis",
