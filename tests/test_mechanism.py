@@ -165,3 +165,20 @@ def test_mechanism_script_end_to_end(tmp_path):
     assert 0 <= out["rows"][0]["page_overlap"] <= 1
     assert out["rows"][1]["page_overlap"] == 1.0
     assert abs(out["rows"][1]["kl_mean"] - out["flat"]["kl_mean"]) < 1e-6
+
+
+def test_distill_refuses_an_estimator_without_a_divergence(tmp_path):
+    """k1 on the actor's own samples has a zero gradient in expectation (rl/modes.DISTILL_KL):
+    one line naming --kls, exit 2, before any model is built."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "launch", "mechanism.py"), "distill"]
+        + [f"--workdir={tmp_path}", "--kls=k3,k1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--kls" in lines[0] and "k1" in lines[0], proc.stderr
