@@ -45,6 +45,11 @@ def _train(workdir, *extra):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
+def cfg_num_problems(wd) -> int:
+    with open(os.path.join(wd, "config.json")) as f:
+        return json.load(f)["eval"]["num_problems"]
+
+
 def _records(workdir, phase):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return [r for r in map(json.loads, f) if r["phase"] == phase]
@@ -88,7 +93,12 @@ def test_main_job_runs_writes_and_resumes(tmp_path):
     ):
         assert key in rl[0], key
     assert [r["step"] for r in _records(wd, "eval")] == [0, 1, 2]
-    assert "sparse_greedy_accuracy" in _records(wd, "eval")[0]
+    ev = _records(wd, "eval")[0]
+    assert "sparse_greedy_accuracy" in ev
+    for name in ("greedy", "sparse_greedy"):  # per-problem outcomes behind each accuracy
+        outcomes = ev[f"{name}_correct"]
+        assert set(outcomes) <= {0, 1} and len(outcomes) == cfg_num_problems(wd)
+        assert abs(sum(outcomes) / len(outcomes) - ev[f"{name}_accuracy"]) < 1e-9
     assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) >= ["1", "2"]
     assert os.path.exists(os.path.join(wd, "sft", "DONE.json"))
     assert any(f.startswith("events") for f in os.listdir(os.path.join(wd, "tb")))

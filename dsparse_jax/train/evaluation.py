@@ -188,8 +188,16 @@ class Evaluator:
         )
 
     def greedy(self, params, lora=None, lora_scale=1.0, spec: AttentionSpec | None = None) -> float:
+        return float(np.mean(self.greedy_correct(params, lora, lora_scale, spec)))
+
+    def greedy_correct(
+        self, params, lora=None, lora_scale=1.0, spec: AttentionSpec | None = None
+    ) -> np.ndarray:
+        """bool [P]: whether the greedy completion of each eval problem is correct (the
+        per-problem outcomes a bootstrap over problems resamples)."""
         cfg = self.sampling_config(0.0)
-        return self._accuracy(params, cfg, jax.random.key(0), lora, lora_scale, spec)
+        _, r = self.samples(params, cfg, jax.random.key(0), lora, lora_scale, spec)
+        return rewards.is_correct(r)[:, 0]
 
     def mean_at_k(
         self,

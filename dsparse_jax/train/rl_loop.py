@@ -27,6 +27,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dsparse_jax.data import batches
 from dsparse_jax.data.sources import problems
@@ -106,23 +107,30 @@ def evaluate(
     ctx: RunContext, setup: RLSetup, st: TrainState, step: int, writer: MetricsWriter, key
 ) -> dict:
     """The dense policy (theta, dense attention), and in sparse modes the rollout policy's
-    greedy accuracy too (sparse_greedy_accuracy: sparse attention, + phi in distillsparse)."""
+    greedy accuracy too (sparse_greedy_accuracy: sparse attention, + phi in distillsparse).
+    The record also lists each problem's greedy outcome (greedy_correct[, sparse_...]: 0/1
+    per eval problem, in order), for intervals over problems (launch/results.py)."""
     e = ctx.config.eval
     t0 = time.time()
-    m = {"greedy_accuracy": ctx.evaluator.greedy(st.params)}
+    correct = ctx.evaluator.greedy_correct(st.params)
+    m = {"greedy_accuracy": float(np.mean(correct)), "greedy_correct": correct.astype(int)}
     if e.mean_at_k:
         m[f"mean_at_{e.mean_at_k}"] = ctx.evaluator.mean_at_k(
             st.params, e.mean_at_k, ctx.config.rl.temperature, key
         )
     if setup.mode.has_twin and e.sparse:
-        m["sparse_greedy_accuracy"] = ctx.evaluator.greedy(
+        correct = ctx.evaluator.greedy_correct(
             st.params, st.lora, setup.lora_scale, spec=setup.rollout_spec
         )
+        m["sparse_greedy_accuracy"] = float(np.mean(correct))
+        m["sparse_greedy_correct"] = correct.astype(int)
     m["time"] = time.time() - t0
     record = writer.write("eval", step, m)
     print(
         f"[eval] step {step}: "
-        + " ".join(f"{k} {v:.3f}" for k, v in record.items() if k not in ("phase", "step")),
+        + " ".join(
+            f"{k} {v:.3f}" for k, v in record.items() if isinstance(v, float) and k != "step"
+        ),
         flush=True,
     )
     return record
