@@ -30,6 +30,8 @@ import re
 import statistics
 import sys
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -133,6 +135,8 @@ def summarize_run(workdir: str) -> dict | None:
         "mean_at_k": last_ev.get(kkey) if kkey else None,
         "k": k,
         "actor_greedy_accuracy": last_ev.get("sparse_greedy_accuracy"),
+        "greedy_correct": last_ev.get("greedy_correct"),  # per problem (newer records)
+        "actor_greedy_correct": last_ev.get("sparse_greedy_correct"),
         "kl_exact": _mean(r.get("kl_exact") for r in fin),
         "kl_k3": _mean(r.get("kl_k3") for r in fin),
         "alpha_mean": _mean(r.get("alpha_mean") for r in fin),
@@ -188,6 +192,30 @@ def agg(vals):
     m = sum(vals) / len(vals)
     s = statistics.stdev(vals) if len(vals) > 1 else None
     return m, s, len(vals)
+
+
+def bootstrap_interval(outcomes_SxP, reps: int = 2000, level: float = 0.95, seed: int = 0):
+    """(lo, hi): the percentile interval of the mean accuracy over seeds x problems, each
+    resample drawing seeds and problems with replacement (the same problems for every seed
+    drawn: the seeds answer the same held-out set)."""
+    x_SxP = np.asarray(outcomes_SxP, np.float64)
+    s, p = x_SxP.shape
+    rng = np.random.default_rng(seed)
+    seeds_RxS, probs_RxP = rng.integers(0, s, (reps, s)), rng.integers(0, p, (reps, p))
+    means_R = x_SxP[seeds_RxS[:, :, None], probs_RxP[:, None, :]].mean(axis=(1, 2))
+    tail = (1.0 - level) / 2.0
+    lo, hi = np.quantile(means_R, [tail, 1.0 - tail])
+    return float(lo), float(hi)
+
+
+def interval_cell(rs: list[dict], key: str) -> str:
+    """[lo, hi] of `bootstrap_interval` when every run of the group logged the per-problem
+    outcomes `key` of one eval set, else nothing."""
+    rows = [r.get(key) for r in rs]
+    if not rows or any(not x for x in rows) or len({len(x) for x in rows}) != 1:
+        return ""
+    lo, hi = bootstrap_interval(rows)
+    return f" [{lo:.3f}, {hi:.3f}]"
 
 
 def fmt(v, digits=3, spread=None):
@@ -248,8 +276,10 @@ def main_table(runs: list[dict]) -> list[str]:
             worst += f" (bin {','.join(map(str, wbins))})"
         lines.append(
             f"| {DESCRIPTIONS.get(v, v)} (`{v}`) | {seeds} | {'/'.join(map(str, steps))} "
-            f"| {step0} → {cell(rs, 'greedy_accuracy')} | {cell(rs, 'mean_at_k')} "
-            f"| {cell(rs, 'actor_greedy_accuracy')} | {cell(rs, 'kl_exact', 3)} | {a5} | {worst} "
+            f"| {step0} → {cell(rs, 'greedy_accuracy')}{interval_cell(rs, 'greedy_correct')} "
+            f"| {cell(rs, 'mean_at_k')} "
+            f"| {cell(rs, 'actor_greedy_accuracy')}{interval_cell(rs, 'actor_greedy_correct')} "
+            f"| {cell(rs, 'kl_exact', 3)} | {a5} | {worst} "
             f"| {cell(rs, 'rollout_tokens_per_s', 0)} | {cell(rs, 'time_step', 2)} | {wall} |"
         )
     return lines
@@ -520,7 +550,9 @@ def render(
         "",
         *main_table(runs),
         "",
-        "Mean ± sample standard deviation over the seeds listed (no ± with one seed). "
+        "Mean ± sample standard deviation over the seeds listed (no ± with one seed); "
+        "[lo, hi]: 95% bootstrap interval of the final accuracy over seeds x held-out "
+        "problems (runs that logged per-problem outcomes). "
         "Accuracies: the last held-out evaluation of the dense policy (greedy, and mean@k "
         "at the rollout temperature); *actor*: the rollout policy's greedy accuracy (sparse "
         "attention, + LoRA in DistillSparse). *Final* KL and α: mean over the last 10% of RL "

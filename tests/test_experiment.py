@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from model_utils import load_launch
 
@@ -174,3 +175,21 @@ def test_tiny_experiment_resumes_and_reports(tmp_path):
     with open(out) as f:
         again = f.read()
     assert "Claim 1 held: KL 0.1." in again and results.PLACEHOLDER not in again
+
+
+def test_bootstrap_interval_over_seeds_and_problems():
+    """The interval resamples problems too (one seed of 400 fair coins: the binomial
+    interval, +-1.96 sqrt(p (1 - p) / P)) and seeds (seeds that disagree widen it)."""
+    res = load_launch("results")
+    coins = np.random.default_rng(0).integers(0, 2, (1, 400))
+    lo, hi = res.bootstrap_interval(coins)
+    half = 1.96 * np.sqrt(0.25 / 400)
+    assert lo < coins.mean() < hi and abs((hi - lo) / 2 - half) < 0.2 * half
+    assert res.bootstrap_interval(np.ones((3, 50))) == (1.0, 1.0)
+    agree = np.tile(coins[:, :100], (3, 1))
+    apart = np.stack([coins[0, :100], 1 - coins[0, :100], np.ones(100)]).astype(int)
+    width = lambda x: np.subtract(*res.bootstrap_interval(x)[::-1])
+    assert width(apart) > 2 * width(agree)
+    rs = [{"greedy_correct": list(row)} for row in apart]
+    assert res.interval_cell(rs, "greedy_correct").startswith(" [")
+    assert res.interval_cell(rs + [{"greedy_correct": None}], "greedy_correct") == ""
