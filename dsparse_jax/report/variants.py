@@ -32,6 +32,20 @@ _TABLE = {
         _variant("distillsparse", samples_generated="2n"),
         "DistillSparse + oversampling M = 2n, top-n by reward",
     ),
+    # The collapse of DistillSparse with its defaults (issue 39 item 4): one cause changed
+    # at a time.
+    "distillsparse_kl_only": (
+        {**_variant("distillsparse"), "distill.loss": "kl_only"},
+        "DistillSparse without phi's PPO term (distill.loss=kl_only)",
+    ),
+    "distillsparse_recomputed": (
+        {**_variant("distillsparse"), "distill.teacher": "recomputed"},
+        "DistillSparse distilled to theta after its update (distill.teacher=recomputed)",
+    ),
+    "distillsparse_tis": (
+        _variant("distillsparse", "tis"),
+        "DistillSparse + TIS on theta's off-policy update",
+    ),
     "speculative": (
         {**_variant("speculative"), "rl.draft": "sparse_self"},
         "speculative: exact dense rollouts drafted by the sparse + phi actor (phi distilled "
