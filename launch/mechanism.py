@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from dsparse_jax.config import cli  # noqa: E402
 from dsparse_jax.errors import UserError  # noqa: E402
 from dsparse_jax.reliability import files  # noqa: E402
-from dsparse_jax.rl.modes import DISTILL_KL  # noqa: E402
+from dsparse_jax.rl.modes import kl_kinds_for  # noqa: E402
 
 DEFAULT_CONFIG = "configs/mini_longchain.py"
 
@@ -463,7 +463,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--every", type=int, default=20, help="steps between KL measurements")
     p.add_argument("--replay", type=int, default=4, help="recorded rollout batches")
     args = p.parse_args(rest)
-    usable = [k for k, d in DISTILL_KL.items() if d["actor"] is not None]  # on its samples
+    usable = kl_kinds_for("actor")  # the replay holds the actor's own samples
     if any(k not in usable for k in args.kls):
         p.error(f"--kls: each must be one of {usable} (rl/modes.DISTILL_KL), got {args.kls}")
     config = cli.load_config(path or DEFAULT_CONFIG, overrides)

@@ -469,7 +469,7 @@ def _validate_distill(c) -> None:
 
 def _validate_draft_head(c) -> None:
     """rl.draft_head: layers inside the model, positive steps, a learning rate, an unroll
-    of at most rl.draft_tokens steps."""
+    >= 0 (capped at rl.draft_tokens by rl_state.draft_head_setup)."""
     from dsparse_jax.model.draft_head import parse_layers
 
     h = c.rl.draft_head

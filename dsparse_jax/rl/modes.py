@@ -72,9 +72,10 @@ class PhiObjective:
     sampler: str  # actor | dense: whose samples the rollout's tokens are
     divergence: str  # a key of DIVERGENCES: what the gradient descends
 
-    @property
-    def exact(self) -> bool:
-        return self.kl in EXACT_KINDS
+
+def kl_kinds_for(sampler: str) -> list[str]:
+    """The distill.kl values with a divergence's gradient on `sampler`'s samples."""
+    return [k for k, d in DISTILL_KL.items() if d[sampler] is not None]
 
 
 def phi_objective(mode: "RolloutMode", loss: str, teacher: str, kl: str) -> PhiObjective:
@@ -93,10 +94,10 @@ def phi_objective(mode: "RolloutMode", loss: str, teacher: str, kl: str) -> PhiO
     sampler = "dense" if mode.speculative else "actor"
     divergence = DISTILL_KL[kl][sampler]
     if divergence is None:
-        ok = [k for k, d in DISTILL_KL.items() if d[sampler] is not None]
         raise ValueError(
             f"config.distill.kl: {kl} on the {sampler} policy's samples "
-            f"(rollout_mode={mode.name}) has no divergence's gradient; use one of {ok}"
+            f"(rollout_mode={mode.name}) has no divergence's gradient; "
+            f"use one of {kl_kinds_for(sampler)}"
         )
     if mode.speculative and loss != "kl_only":
         raise ValueError(

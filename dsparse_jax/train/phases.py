@@ -369,19 +369,22 @@ def sample_records(gen: Generated, scored: Scored, count: int) -> list[dict]:
     ]
 
 
+def _every(every: int, step: int) -> bool:
+    """Whether a figure computed every `every` RL steps (0: never) is due at `step`."""
+    return every > 0 and step % every == 0
+
+
 def _all_rows_step(ctx, step: int) -> bool:
     """Whether this RL step's mismatch figures are also computed on all M generated rows
-    (metrics.all_rows_every; 0: never)."""
-    every = ctx.config.metrics.all_rows_every
-    return every > 0 and step % every == 0
+    (metrics.all_rows_every)."""
+    return _every(ctx.config.metrics.all_rows_every, step)
 
 
 def twin_step(ctx, setup: RLSetup, step: int) -> bool:
     """Whether this RL step recomputes the actor's twin: every step where the trainer or
     phi needs it; where only the mismatch figures read it (mode.twin_metrics_only), every
     metrics.twin_every steps (0: never)."""
-    every = ctx.config.metrics.twin_every
-    return not setup.mode.twin_metrics_only or (every > 0 and step % every == 0)
+    return not setup.mode.twin_metrics_only or _every(ctx.config.metrics.twin_every, step)
 
 
 def _batch_metrics(ctx, setup: RLSetup, r: Rollout, rec: dict) -> dict:
