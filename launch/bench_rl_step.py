@@ -127,7 +127,6 @@ def main(config):
     import jax.numpy as jnp
 
     from dsparse_jax.config.validate import validate
-    from dsparse_jax.data import batches
     from dsparse_jax.train import context, rl_loop
 
     results = []
@@ -138,7 +137,7 @@ def main(config):
             base.task.num_vars = max(base.task.num_vars, terms)
         ctx = context.build(base)
         params0 = _sft_params(ctx, _PARAMS_FROM.value) if _PARAMS_FROM.value else ctx.init_params
-        budget = batches.completion_budget(ctx.task)
+        budget = ctx.task.completion_budget()
         row = {}
         for mode, path in [(m, a) for a in _ATTENTION.value for m in _MODES.value]:
             c = copy.deepcopy(base)

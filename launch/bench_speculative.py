@@ -308,7 +308,7 @@ def head_step_costs(model, head, batch, context, reps):
 
 def part_trained(args, spec):
     from dsparse_jax.config import schema
-    from dsparse_jax.data import batches, sources
+    from dsparse_jax.data import batches
     from dsparse_jax.train import context, trained
 
     config = trained.workdir_config(args.workdir)
@@ -318,10 +318,10 @@ def part_trained(args, spec):
     _ = schema  # the config carries every default
     base = trained.load(ctx, args.workdir)
     p = args.batch // args.samples
-    problems = sources.problems(ctx.task, "train", 0, p, config.seed)
-    width = batches.prompt_buffer(ctx.task)
+    problems = ctx.task.problems("train", 0, p, config.seed)
+    width = ctx.task.prompt_buffer()
     prompts, lengths = batches.encode_prompts(ctx.tok, problems, width)
-    gen = batches.completion_budget(ctx.task)
+    gen = ctx.task.completion_budget()
     scfg = SamplingConfig(
         gen,
         ctx.tok.eos_id,
@@ -352,7 +352,7 @@ def part_trained(args, spec):
     out = {"workdir": args.workdir, "theta": base.source, "generated_tokens_max": gen}
     if "draft_head" in args.drafts:  # trained on rollouts of other training prompts
         hp, hl = batches.encode_prompts(
-            ctx.tok, sources.problems(ctx.task, "train", p, args.head_rows, config.seed), width
+            ctx.tok, ctx.task.problems("train", p, args.head_rows, config.seed), width
         )
         head_cfg = dataclasses.replace(scfg, samples_per_prompt=1)
         head, out["draft_head_training"] = train_head(

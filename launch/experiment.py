@@ -454,7 +454,6 @@ def measure_sweep(
     from dsparse_jax.attention.spec import AttentionSpec, SparseSpec
     from dsparse_jax.config.validate import validate
     from dsparse_jax.data import batches
-    from dsparse_jax.data.sources import problems
     from dsparse_jax.model.transformer import sparse_layers
     from dsparse_jax.report.metrics import MetricsWriter
     from dsparse_jax.sampling.sampler import SamplingConfig
@@ -472,9 +471,9 @@ def measure_sweep(
         finally:
             writer.close()
     c = config.rl
-    n_bins = max(1, math.ceil(batches.completion_budget(ctx.task) / config.metrics.position_bin))
+    n_bins = max(1, math.ceil(ctx.task.completion_budget() / config.metrics.position_bin))
     scfg = SamplingConfig(
-        max_new_tokens=batches.completion_budget(ctx.task),
+        max_new_tokens=ctx.task.completion_budget(),
         eos_id=ctx.tok.eos_id,
         pad_id=ctx.tok.pad_id,
         temperature=c.temperature,
@@ -490,10 +489,10 @@ def measure_sweep(
             spec = twin = dataclasses.replace(ctx.rollout_spec, sparse=sp)
         per_batch, times, toks, rewards = [], [], [], []
         for b in range(batches_n):
-            probs = problems(
-                ctx.task, "train", rl_loop.RL_DATA_OFFSET + b * prompts, prompts, config.seed
+            probs = ctx.task.problems(
+                "train", rl_loop.RL_DATA_OFFSET + b * prompts, prompts, config.seed
             )
-            pr, ln = batches.encode_prompts(ctx.tok, probs, batches.prompt_buffer(ctx.task))
+            pr, ln = batches.encode_prompts(ctx.tok, probs, ctx.task.prompt_buffer())
             key = jax.random.fold_in(jax.random.key(config.seed + 11), b)
             t = time.time()
             r = ctx.sampler(params, pr, ln, key, scfg, spec)

@@ -109,19 +109,17 @@ class Lab:
 
     def prompts(self, index: int, count: int):
         from dsparse_jax.data import batches
-        from dsparse_jax.data.sources import problems
         from dsparse_jax.train.rl_state import RL_DATA_OFFSET
 
-        probs = problems(self.ctx.task, "train", RL_DATA_OFFSET + index, count, self.config.seed)
-        pr, ln = batches.encode_prompts(self.ctx.tok, probs, batches.prompt_buffer(self.ctx.task))
+        probs = self.ctx.task.problems("train", RL_DATA_OFFSET + index, count, self.config.seed)
+        pr, ln = batches.encode_prompts(self.ctx.tok, probs, self.ctx.task.prompt_buffer())
         return probs, pr, ln
 
     def sampling(self, n: int):
-        from dsparse_jax.data import batches
         from dsparse_jax.sampling.sampler import SamplingConfig
 
         return SamplingConfig(
-            max_new_tokens=batches.completion_budget(self.ctx.task),
+            max_new_tokens=self.ctx.task.completion_budget(),
             eos_id=self.ctx.tok.eos_id,
             pad_id=self.ctx.tok.pad_id,
             temperature=self.config.rl.temperature,

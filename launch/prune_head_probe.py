@@ -31,7 +31,6 @@ def main() -> None:
 
     from dsparse_jax.config.validate import validate
     from dsparse_jax.data import batches
-    from dsparse_jax.data.sources import problems
     from dsparse_jax.model import quality_head
     from dsparse_jax.rl.pruning_metrics import weighted_auc
     from dsparse_jax.sampling.pruning import PruneConfig
@@ -47,7 +46,7 @@ def main() -> None:
     positions = (24, 48, 72)
     prune = PruneConfig(positions=positions, sizes=(15, 14, 13), label_rows=1, layer=-1)
     scfg = SamplingConfig(
-        max_new_tokens=batches.completion_budget(ctx.task),
+        max_new_tokens=ctx.task.completion_budget(),
         eos_id=ctx.tok.eos_id,
         pad_id=ctx.tok.pad_id,
         temperature=c.temperature,
@@ -57,10 +56,10 @@ def main() -> None:
     dummy = quality_head.init_head(hcfg, jax.random.key(0))
     feats, labels, prompt_ids = [], [], []
     for i in range(args.batches):
-        probs = problems(
-            ctx.task, "train", 20_000_000 + i * c.prompts_per_step, c.prompts_per_step, 0
+        probs = ctx.task.problems(
+            "train", 20_000_000 + i * c.prompts_per_step, c.prompts_per_step, 0
         )
-        prompts, lengths = batches.encode_prompts(ctx.tok, probs, batches.prompt_buffer(ctx.task))
+        prompts, lengths = batches.encode_prompts(ctx.tok, probs, ctx.task.prompt_buffer())
         r, rec = ctx.sampler(
             t.params,
             prompts,

@@ -4,9 +4,10 @@ import pytest
 
 from dsparse_jax.config import schema
 from dsparse_jax.config.validate import ConfigError, validate
-from dsparse_jax.data import curriculum
+from dsparse_jax.data import curriculum, dataset_task
 from dsparse_jax.data import math_task as mt
 
+PROBLEM = mt.make_problem(mt.ChainTaskConfig(), "train", 0, 0)
 NAMES = mt.ChainTaskConfig(num_vars=20, num_terms=20, name_digits=0, letters=52, order="names")
 
 
@@ -69,4 +70,4 @@ def test_a_dataset_has_no_curriculum():
     with pytest.raises(ConfigError, match=r"^config\.sft\.curriculum: a curriculum needs"):
         validate(c)
     with pytest.raises(ValueError, match="synthetic chain task"):
-        curriculum.stages("4:2:5", object(), 2, 10)
+        curriculum.stages("4:2:5", dataset_task.DatasetTask([PROBLEM], [PROBLEM], 64, 32), 2, 10)

@@ -12,7 +12,7 @@ import pytest
 from test_train_e2e import ROOT, TINY
 
 from dsparse_jax.data import rewards
-from dsparse_jax.data.math_task import Problem
+from dsparse_jax.data.task import Problem
 from dsparse_jax.train import evaluation
 
 K = 2

@@ -10,8 +10,7 @@ import pytest
 from dsparse_jax.config import schema
 from dsparse_jax.config.validate import ConfigError, validate
 from dsparse_jax.data import rewards, user_rewards
-from dsparse_jax.data.math_task import Problem
-from dsparse_jax.data.sources import MathProblem
+from dsparse_jax.data.task import Problem
 from dsparse_jax.errors import UserError
 
 REWARDS_PY = textwrap.dedent(
@@ -124,7 +123,7 @@ def test_verl_and_tunix_rewards_combined_with_weights(reward_file):
 def test_module_spec_and_row_fields(reward_file, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     r = _rewarder("my_rewards:sees_extra_info")
-    p = MathProblem("q", "", "5", data_source="openai/gsm8k", extra_info={"index": 7})
+    p = Problem("q", "", "5", grader="math", data_source="openai/gsm8k", extra_info={"index": 7})
     try:
         assert r.score([p, _problems(1)[0]], ["a", "b"]).rewards.tolist() == [1.0, 0.0]
     finally:
@@ -249,6 +248,6 @@ def test_math_verify_against_the_in_house_grader():
         assert rewards.reward(completion, ref, "math") == ours, (ref, completion)
         assert rewards.reward(completion, ref, "math_verify") == theirs, (ref, completion)
     r = rewards.Rewarder(grader="math_verify")
-    probs = [MathProblem("q", "", ref) for ref, *_ in GRADER_TABLE]
+    probs = [Problem("q", "", ref, grader="math") for ref, *_ in GRADER_TABLE]
     got = r.score(probs, [c for _, c, *_ in GRADER_TABLE]).rewards
     assert got.tolist() == [float(t) for *_, t in GRADER_TABLE]

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from dsparse_jax.config.validate import load_config
+from dsparse_jax.data import dataset_task, math_task, rewards, sources
 from dsparse_jax.data import gemma_tokenizer as gt
-from dsparse_jax.data import math_task, rewards, sources
+from dsparse_jax.data.task import Problem
 
 CORPUS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as "
@@ -164,22 +165,22 @@ def test_tfds_missing_is_a_clear_error(tok, monkeypatch):
 
 
 def test_dataset_task_order_and_dispatch():
-    train = [sources.MathProblem(f"p{i}", "", str(i)) for i in range(10)]
-    task = sources.DatasetTask(train, train[:3], max_prompt_tokens=64, max_new_tokens=32)
-    epoch0 = sources.problems(task, "train", 0, 10, seed=1)
+    train = [Problem(f"p{i}", "", str(i), grader="math") for i in range(10)]
+    task = dataset_task.DatasetTask(train, train[:3], max_prompt_tokens=64, max_new_tokens=32)
+    epoch0 = task.problems("train", 0, 10, seed=1)
     assert sorted(p.answer for p in epoch0) == sorted(str(i) for i in range(10))
-    assert sources.problems(task, "train", 0, 10, seed=1) == epoch0  # deterministic
-    assert sources.problems(task, "train", 10, 10, seed=1) != epoch0  # reshuffled
-    assert sources.problems(task, "train", 10_000_003, 2, seed=1) == sources.problems(
-        task, "train", 10_000_003, 2, seed=1
+    assert task.problems("train", 0, 10, seed=1) == epoch0  # deterministic
+    assert task.problems("train", 10, 10, seed=1) != epoch0  # reshuffled
+    assert task.problems("train", 10_000_003, 2, seed=1) == task.problems(
+        "train", 10_000_003, 2, seed=1
     )
-    assert [p.answer for p in sources.problems(task, "eval", 2, 3, seed=0)] == ["2", "0", "1"]
+    assert [p.answer for p in task.problems("eval", 2, 3, seed=0)] == ["2", "0", "1"]
     chain = math_task.ChainTaskConfig(num_vars=5, num_terms=3)
-    assert sources.problems(chain, "train", 4, 2, 0) == math_task.problems(chain, "train", 4, 2, 0)
-    assert sources.describe(chain) == "3 terms"
+    assert chain.problems("train", 4, 2, 0) == math_task.problems(chain, "train", 4, 2, 0)
+    assert chain.describe() == "3 terms"
     from dsparse_jax.data import batches
 
-    assert batches.prompt_buffer(task) == 64 and batches.completion_budget(task) == 32
+    assert task.prompt_buffer() == 64 and task.completion_budget() == 32
     assert batches.sequence_buffer(task, 16) == 96
 
 

@@ -268,7 +268,7 @@ def _validate_shapes(c) -> None:
             task = math_task.from_config(t)
         except ValueError as e:  # its messages start with the field's name
             raise ConfigError(f"config.task.{str(e).split(' ')[0]}: {e}") from None
-        prompt, gen = batches.prompt_buffer(task), batches.completion_budget(task)
+        prompt, gen = task.prompt_buffer(), task.completion_budget()
         cache = batches.sequence_buffer(task, page)
         gen_field = "task.num_terms"
         try:
@@ -544,7 +544,7 @@ def prune_positions(text: str) -> tuple[int, ...]:
 
 def _validate_prune(c) -> None:
     """rl.prune: M' > n, checkpoints inside the completion budget, label rows that fit."""
-    from dsparse_jax.data import batches, math_task
+    from dsparse_jax.data import math_task
 
     p, r = c.rl.prune, c.rl
     _check(isinstance(p.enabled, bool), "rl.prune.enabled", "must be true or false")
@@ -588,7 +588,7 @@ def _validate_prune(c) -> None:
     _check(r.samples_generated == 0, "rl.samples_generated", "must be 0 with rl.prune.enabled")
     if str(c.data.source).startswith("synthetic:"):
         try:
-            budget = batches.completion_budget(math_task.from_config(c.task))
+            budget = math_task.from_config(c.task).completion_budget()
         except ValueError:
             return  # reported by the shape checks
     else:

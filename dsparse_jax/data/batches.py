@@ -4,33 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsparse_jax.data.math_task import (
-    ChainTaskConfig,
-    Problem,
-    max_prompt_chars,
-    max_solution_chars,
-)
+from dsparse_jax.data.task import Problem, Task
 from dsparse_jax.data.tokenizer import Tokenizer
 
 
-def prompt_buffer(task: ChainTaskConfig) -> int:
-    """Static prompt width: BOS + the longest prompt (a DatasetTask: its configured width)."""
-    if not isinstance(task, ChainTaskConfig):
-        return task.prompt_buffer()
-    return 1 + max_prompt_chars(task)
-
-
-def completion_budget(task: ChainTaskConfig) -> int:
-    """Tokens a complete answer needs: the longest solution + EOS (a DatasetTask: its
-    configured generation length)."""
-    if not isinstance(task, ChainTaskConfig):
-        return task.completion_budget()
-    return max_solution_chars(task) + 1
-
-
-def sequence_buffer(task: ChainTaskConfig, page_size: int) -> int:
+def sequence_buffer(task: Task, page_size: int) -> int:
     """Static width of prompt + completion, rounded up to whole pages."""
-    total = prompt_buffer(task) + completion_budget(task)
+    total = task.prompt_buffer() + task.completion_budget()
     return -(-total // page_size) * page_size
 
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from dsparse_jax.data.math_task import ChainTaskConfig
-from dsparse_jax.data.sources import problems
+from dsparse_jax.data.task import Task
 
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    task: ChainTaskConfig
+    task: Task
     batch_size: int
     start: int  # first SFT step (0-based) of the stage
     end: int  # one past its last step; the last stage ends at sft.max_steps
@@ -42,24 +41,14 @@ def parse(spec: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def stage_task(task: ChainTaskConfig, num_terms: int) -> ChainTaskConfig:
-    """The task with `num_terms` terms (and as many variables with order="names")."""
-    if task.order == "names":
-        return dataclasses.replace(task, num_terms=num_terms, num_vars=num_terms)
-    return dataclasses.replace(task, num_terms=num_terms)
-
-
-def stages(spec: str, task, batch_size: int, max_steps: int) -> list[Stage]:
+def stages(spec: str, task: Task, batch_size: int, max_steps: int) -> list[Stage]:
     """The SFT stages of a spec, ending with the task itself (batch_size, to max_steps).
 
     An empty spec is one stage. A curriculum needs the synthetic chain task (a dataset's
-    problems have no length knob)."""
-    parsed = parse(spec)
-    if parsed and not isinstance(task, ChainTaskConfig):
-        raise ValueError("a curriculum needs the synthetic chain task (data.source synthetic:)")
+    problems have no length knob: its `with_terms` raises)."""
     out, start = [], 0
-    for num_terms, batch, steps in parsed:
-        out.append(Stage(stage_task(task, num_terms), batch, start, start + steps))
+    for num_terms, batch, steps in parse(spec):
+        out.append(Stage(task.with_terms(num_terms), batch, start, start + steps))
         start += steps
     if start >= max_steps:
         raise ValueError(
@@ -80,4 +69,4 @@ def train_problems(stage_list: list[Stage], step: int, seed: int):
     training stream from the start, stage.batch_size problems per step."""
     stage = at(stage_list, step)
     start = (step - stage.start) * stage.batch_size
-    return stage, problems(stage.task, "train", start, stage.batch_size, seed)
+    return stage, stage.task.problems("train", start, stage.batch_size, seed)

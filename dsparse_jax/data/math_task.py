@@ -64,6 +64,7 @@ import string
 
 import numpy as np
 
+from dsparse_jax.data.task import Problem
 from dsparse_jax.data.tokenizer import Tokenizer, train_tokenizer
 
 NAME_LETTERS = string.ascii_lowercase + string.ascii_uppercase  # the first `letters` are used
@@ -82,7 +83,7 @@ UPPER_ALPHABET = ALPHABET + string.ascii_uppercase  # tasks with letters = 52
 
 @dataclasses.dataclass(frozen=True)
 class ChainTaskConfig:
-    """Shape of the variable-chain problems.
+    """Shape of the variable-chain problems; the chain task (a data.task.Task).
 
     num_vars: variables defined in the prompt (1..26 * 10**name_digits).
     num_terms: terms in the sum (1..num_vars); sets the solution length, 10
@@ -118,6 +119,26 @@ class ChainTaskConfig:
     @property
     def max_vars(self) -> int:
         return self.letters * 10**self.name_digits
+
+    def problems(self, split: str, start: int, count: int, seed: int) -> list[Problem]:
+        return problems(self, split, start, count, seed)
+
+    def prompt_buffer(self) -> int:
+        """BOS + the longest prompt (one token per character)."""
+        return 1 + max_prompt_chars(self)
+
+    def completion_budget(self) -> int:
+        """The longest solution + EOS."""
+        return max_solution_chars(self) + 1
+
+    def describe(self) -> str:
+        return f"{self.num_terms} terms"
+
+    def with_terms(self, num_terms: int) -> ChainTaskConfig:
+        """The task with num_terms terms (and as many variables with order="names")."""
+        if self.order == "names":
+            return dataclasses.replace(self, num_terms=num_terms, num_vars=num_terms)
+        return dataclasses.replace(self, num_terms=num_terms)
 
     def __post_init__(self):
         if self.letters not in (26, 52):
@@ -173,15 +194,6 @@ CONFIG_FIELDS = (
 def from_config(task_section) -> ChainTaskConfig:
     """The task of a run config's `task` section (any mapping with CONFIG_FIELDS)."""
     return ChainTaskConfig(**{f: task_section[f] for f in CONFIG_FIELDS})
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    """prompt + solution is the full text; answer is the final total as a string."""
-
-    prompt: str
-    solution: str
-    answer: str
 
 
 def _rng(split: str, index: int, seed: int) -> np.random.Generator:

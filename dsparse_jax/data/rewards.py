@@ -9,7 +9,7 @@ Answer rule: the first line of the completion that starts with "answer:" is the
 answer line; it is well formed when the rest of that line, with spaces removed
 from both ends, is 1 to 32 ASCII digits. Later answer lines and any text after
 the first one are ignored. Answers are compared as strings: "05" != "5".
-Real datasets (sources.MathProblem, grader "math") are graded by answer_check.
+Dataset problems (Problem.grader "math") are graded by answer_check.
 
 `Rewarder(fns, weights, ...)`: reward.fn is a comma list of specs (user_rewards.py:
 path/to/file.py[:name] | package.module:name | builtin) with reward.weights; a row's
@@ -117,7 +117,7 @@ def answer_key(problem, completion: str) -> str | None:
     """The completion's final answer as a voting key (maj@k), by the built-in extractor of
     the problem's grader: the chain task's answer line, else answer_check's normalized
     \\boxed / #### / "the answer is" answer. None: no answer."""
-    if getattr(problem, "grader", "chain") == "chain":
+    if problem.grader == "chain":
         return extract_answer(completion)
     got = answer_check.extract_answer(completion)
     return None if got is None else answer_check.normalize(got)
@@ -166,9 +166,9 @@ def _row(problem, completion: str) -> dict:
     return {
         "prompt": problem.prompt,
         "completion": completion,
-        "ground_truth": getattr(problem, "ground_truth", "") or problem.answer,
-        "data_source": getattr(problem, "data_source", "") or "synthetic:chain",
-        "extra_info": getattr(problem, "extra_info", None) or {},
+        "ground_truth": problem.ground_truth or problem.answer,
+        "data_source": problem.data_source or "synthetic:chain",
+        "extra_info": problem.extra_info or {},
     }
 
 
@@ -213,7 +213,7 @@ class Rewarder:
 
     def builtin(self, problems, completions: Sequence[str]) -> np.ndarray:
         """The in-house grade of each row (the chain task's grader, or reward.grader)."""
-        graders = [getattr(p, "grader", "chain") for p in problems]
+        graders = [p.grader for p in problems]
         if self.grader != "auto":
             graders = [g if g == "chain" else self.grader for g in graders]
         answers = [p.answer for p in problems]

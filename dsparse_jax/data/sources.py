@@ -1,6 +1,7 @@
-"""Task data by URI: the embedded chain task or math datasets on local disk.
+"""Dataset loading by URI: math datasets on local disk, read into Problems.
 
-    synthetic:chain         the procedurally generated chain-sum task (math_task.py)
+    synthetic:chain         the procedurally generated chain-sum task (math_task.py;
+                            no records)
     jsonl:<path>            one JSON object per line
     parquet:<path>          a parquet file (pyarrow)
     hf_disk:<dir>           a Hugging Face `datasets` directory written by save_to_disk
@@ -26,8 +27,7 @@ reward_model.ground_truth the answer. A record without a usable question or answ
 with a warning; above `max_bad_fraction` of the records, loading fails. Prompts longer
 than the static prompt width are dropped or truncated (`overlong`).
 
-`DatasetTask` is the dataset counterpart of ChainTaskConfig for the RL loop: the module
-function `problems(task, split, start, count, seed)` serves either.
+The problems of a dataset become a Task in dataset_task.py.
 """
 
 from __future__ import annotations
@@ -39,26 +39,14 @@ import warnings
 
 import numpy as np
 
-from dsparse_jax.data import answer_check, math_task
+from dsparse_jax.data import answer_check
 from dsparse_jax.data.gemma_tokenizer import MATH_INSTRUCTION, math_prompt, render_chat
+from dsparse_jax.data.task import Problem
 from dsparse_jax.data.tokenizer import Tokenizer
 
 SCHEMES = ("synthetic", "jsonl", "parquet", "hf_disk", "tfds")
 QUESTION_FIELDS = ("question", "problem", "prompt", "query")
 ANSWER_FIELDS = ("answer", "final_answer", "ground_truth", "solution")
-
-
-@dataclasses.dataclass(frozen=True)
-class MathProblem:
-    """prompt: the full templated prompt text; answer: the reference final answer."""
-
-    prompt: str
-    solution: str
-    answer: str
-    grader: str = "math"
-    data_source: str = ""  # verl's data_source (passed to user reward functions)
-    extra_info: dict | None = dataclasses.field(default=None, compare=False)
-    ground_truth: str = ""  # the answer field as written (reward functions get it; "": answer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,7 +261,7 @@ def is_verl_record(rec: dict, cfg: SourceConfig) -> bool:
 
 
 def _verl_problem(n: int, rec: dict, cfg: SourceConfig, tok: Tokenizer):
-    """A MathProblem of a verl record, None if its prompt is too long, or the reason it
+    """A Problem of a verl record, None if its prompt is too long, or the reason it
     is bad (a string)."""
     messages = _messages(rec.get("prompt"))
     if messages is None:
@@ -296,10 +284,11 @@ def _verl_problem(n: int, rec: dict, cfg: SourceConfig, tok: Tokenizer):
         return None
     extra = rec.get("extra_info")
     extra = extra if isinstance(extra, dict) else {}
-    return MathProblem(
+    return Problem(
         prompt=prompt,
         solution=_text(extra.get("answer")) or "",
         answer=answer_check.reference_answer(ground_truth),
+        grader="math",
         data_source=_text(rec.get("data_source")) or "",
         extra_info=extra,
         ground_truth=ground_truth,
@@ -308,7 +297,7 @@ def _verl_problem(n: int, rec: dict, cfg: SourceConfig, tok: Tokenizer):
 
 def to_problems(
     records: list, cfg: SourceConfig, tok: Tokenizer, name: str = "data"
-) -> tuple[list[MathProblem], dict]:
+) -> tuple[list[Problem], dict]:
     """Usable problems of raw records and counts {total, bad, overlong, truncated, kept}."""
     out, reasons = [], []
     stats = {"total": len(records), "bad": 0, "overlong": 0, "truncated": 0}
@@ -348,7 +337,7 @@ def to_problems(
         stats["truncated"] += prompt != math_prompt(question, cfg.instruction, cfg.chat)
         sf = cfg.solution_field or af
         solution = (_text(rec.get(sf)) or "") if sf else ""
-        out.append(MathProblem(prompt=prompt, solution=solution, answer=answer))
+        out.append(Problem(prompt=prompt, solution=solution, answer=answer, grader="math"))
     stats["bad"] = len(reasons)
     stats["kept"] = len(out)
     if reasons:
@@ -370,89 +359,5 @@ def to_problems(
     return out, stats
 
 
-def load_problems(uri: str, cfg: SourceConfig, tok: Tokenizer) -> tuple[list[MathProblem], dict]:
+def load_problems(uri: str, cfg: SourceConfig, tok: Tokenizer) -> tuple[list[Problem], dict]:
     return to_problems(read_records(uri, cfg), cfg, tok, name=uri)
-
-
-class DatasetTask:
-    """Dataset problems for the RL loop: reshuffled every epoch, fixed prompt width."""
-
-    def __init__(
-        self,
-        train: list[MathProblem],
-        eval_: list[MathProblem],
-        max_prompt_tokens: int,
-        max_new_tokens: int,
-        name: str = "data",
-    ):
-        if not train or not eval_:
-            raise ValueError("DatasetTask needs train and eval problems")
-        self.train, self.eval, self.name = train, eval_, name
-        self.max_prompt_tokens, self.max_new_tokens = max_prompt_tokens, max_new_tokens
-        self._perm = (None, None)
-
-    def prompt_buffer(self) -> int:
-        return self.max_prompt_tokens
-
-    def completion_budget(self) -> int:
-        return self.max_new_tokens
-
-    def describe(self) -> str:
-        return f"{self.name}: {len(self.train)} train / {len(self.eval)} eval problems"
-
-    def _order(self, epoch: int, seed: int) -> np.ndarray:
-        if self._perm[0] != (epoch, seed):
-            rng = np.random.default_rng(np.random.SeedSequence([seed, 7, epoch]))
-            self._perm = ((epoch, seed), rng.permutation(len(self.train)))
-        return self._perm[1]
-
-    def problems(self, split: str, start: int, count: int, seed: int) -> list[MathProblem]:
-        if split == "eval":
-            return [self.eval[i % len(self.eval)] for i in range(start, start + count)]
-        if split != "train":
-            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-        n = len(self.train)
-        return [self.train[self._order(i // n, seed)[i % n]] for i in range(start, start + count)]
-
-
-def problems(task, split: str, start: int, count: int, seed: int):
-    """Problems start..start+count-1 of `split`, for the chain task or a DatasetTask."""
-    if isinstance(task, math_task.ChainTaskConfig):
-        return math_task.problems(task, split, start, count, seed)
-    return task.problems(split, start, count, seed)
-
-
-def build_task(
-    uri: str,
-    eval_uri: str,
-    cfg: SourceConfig,
-    tok: Tokenizer,
-    num_eval: int,
-    max_new_tokens: int,
-    seed: int,
-    eval_split: str = "test",
-) -> DatasetTask:
-    """A DatasetTask: eval from `eval_uri`, or (empty) the first num_eval of a seeded
-    shuffle of the train source, held out from training."""
-    train, _ = load_problems(uri, cfg, tok)
-    if eval_uri:
-        eval_cfg = dataclasses.replace(cfg, split=eval_split)
-        eval_, _ = load_problems(eval_uri, eval_cfg, tok)
-        eval_ = eval_[:num_eval]
-    else:
-        if len(train) <= num_eval:
-            raise ValueError(
-                f"{uri}: {len(train)} problems cannot hold out {num_eval} "
-                "for eval; set data.eval_source or a smaller eval.num_problems"
-            )
-        order = np.random.default_rng(np.random.SeedSequence([seed, 11])).permutation(len(train))
-        eval_ = [train[i] for i in order[:num_eval]]
-        train = [train[i] for i in order[num_eval:]]
-    return DatasetTask(train, eval_, cfg.max_prompt_tokens, max_new_tokens, name=uri)
-
-
-def describe(task) -> str:
-    """One line for logs: '8 terms' (chain task) or the dataset and its sizes."""
-    if isinstance(task, math_task.ChainTaskConfig):
-        return f"{task.num_terms} terms"
-    return task.describe()

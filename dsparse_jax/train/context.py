@@ -19,9 +19,10 @@ from flax import nnx
 from dsparse_jax.attention.spec import AttentionSpec, SparseSpec
 from dsparse_jax.config import schema
 from dsparse_jax.config.validate import ConfigError, field_error
-from dsparse_jax.data import batches, math_task, rewards, sources
+from dsparse_jax.data import batches, dataset_task, math_task, rewards, sources
 from dsparse_jax.data.gemma_tokenizer import GemmaTokenizer
-from dsparse_jax.data.math_task import ChainTaskConfig, build_tokenizer
+from dsparse_jax.data.math_task import build_tokenizer
+from dsparse_jax.data.task import Task
 from dsparse_jax.data.tokenizer import Tokenizer
 from dsparse_jax.model import hf_checkpoint
 from dsparse_jax.model.config import ModelConfig, preset
@@ -35,7 +36,7 @@ from dsparse_jax.train.evaluation import Evaluator
 @dataclasses.dataclass
 class RunContext:
     config: object  # the ml_collections ConfigDict
-    task: ChainTaskConfig | sources.DatasetTask
+    task: Task
     tok: Tokenizer
     model_cfg: ModelConfig
     graphdef: object
@@ -116,7 +117,7 @@ def _data_task(config):
         split=d.split,
     )
     with _user_input("data.source"):
-        task = sources.build_task(
+        task = dataset_task.build_task(
             d.source,
             d.eval_source,
             scfg,
@@ -156,7 +157,7 @@ def build(config) -> RunContext:
     rollout_spec = dataclasses.replace(spec, sparse=sparse_spec(config))
     lora_cfg = lora_config(config)
     sampler = Sampler(graphdef)
-    eval_problems = sources.problems(task, "eval", 0, config.eval.num_problems, config.seed)
+    eval_problems = task.problems("eval", 0, config.eval.num_problems, config.seed)
     rewarder = rewards.Rewarder.from_config(config)  # starts the worker of user functions
     evaluator = Evaluator(sampler, tok, task, eval_problems, spec, rewarder=rewarder)
     return RunContext(

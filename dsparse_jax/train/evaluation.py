@@ -17,7 +17,7 @@ from flax import nnx
 
 from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.data import batches, rewards
-from dsparse_jax.data.math_task import ChainTaskConfig, Problem
+from dsparse_jax.data.task import Problem, Task
 from dsparse_jax.data.tokenizer import Tokenizer
 from dsparse_jax.model import quality_head
 from dsparse_jax.sampling.sampler import Sampler, SamplingConfig, completion_view
@@ -49,7 +49,7 @@ class Evaluator:
         self,
         sampler: Sampler,
         tok: Tokenizer,
-        task: ChainTaskConfig,
+        task: Task,
         problems: list[Problem],
         spec: AttentionSpec = AttentionSpec(),
         batch_size: int = 64,
@@ -58,8 +58,8 @@ class Evaluator:
         self.sampler, self.tok, self.problems, self.spec = sampler, tok, problems, spec
         self.rewarder = rewarder or rewards.Rewarder()
         self.batch_size = min(batch_size, len(problems))
-        self.max_new = batches.completion_budget(task)
-        self.prompt_width = batches.prompt_buffer(task)
+        self.max_new = task.completion_budget()
+        self.prompt_width = task.prompt_buffer()
 
     def num_batches(self) -> int:
         return -(-len(self.problems) // self.batch_size)

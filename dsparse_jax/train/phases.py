@@ -31,8 +31,7 @@ import numpy as np
 
 from dsparse_jax.data import batches
 from dsparse_jax.data import rewards as rewards_lib
-from dsparse_jax.data.math_task import Problem
-from dsparse_jax.data.sources import problems
+from dsparse_jax.data.task import Problem
 from dsparse_jax.parallel import sharding
 from dsparse_jax.reliability import faults
 from dsparse_jax.rl import corrections, filtering, modes, pruning_metrics
@@ -262,16 +261,14 @@ def rollout(
     c, plan, p = ctx.config.rl, setup.plan, ctx.config.rl.prompts_per_step
     mine = slice(0, p) if plan is None else plan.local_slice(p)  # this process's prompts
     start = RL_DATA_OFFSET + step * p if data_start is None else data_start
-    batch_problems = problems(
-        ctx.task, "train", start + mine.start, mine.stop - mine.start, ctx.config.seed
+    batch_problems = ctx.task.problems(
+        "train", start + mine.start, mine.stop - mine.start, ctx.config.seed
     )
-    prompts, lengths = batches.encode_prompts(
-        ctx.tok, batch_problems, batches.prompt_buffer(ctx.task)
-    )
+    prompts, lengths = batches.encode_prompts(ctx.tok, batch_problems, ctx.task.prompt_buffer())
     if plan is not None:  # one global batch-sharded array from every process's rows
         prompts, lengths = plan.global_batch(prompts), plan.global_batch(lengths)
     scfg = SamplingConfig(
-        max_new_tokens=batches.completion_budget(ctx.task),
+        max_new_tokens=ctx.task.completion_budget(),
         eos_id=ctx.tok.eos_id,
         pad_id=ctx.tok.pad_id,
         temperature=c.temperature,

@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsparse_jax.data import batches
-from dsparse_jax.data.sources import problems
 from dsparse_jax.errors import UserError
 from dsparse_jax.parallel import sharding
 from dsparse_jax.reliability import checkpoints, faults
@@ -260,8 +259,8 @@ def warm_start_draft_head(ctx: RunContext, setup: RLSetup, st: TrainState, write
     t0, progress = time.time(), Progress("draft_warmup", h.warmup_steps, every=ctx.config.log.every)
     key = jax.random.key(ctx.config.seed + 6)
     for i in range(h.warmup_steps):
-        batch_problems = problems(
-            ctx.task, "train", RL_DATA_OFFSET - (i + 1) * rows, rows, ctx.config.seed
+        batch_problems = ctx.task.problems(
+            "train", RL_DATA_OFFSET - (i + 1) * rows, rows, ctx.config.seed
         )
         tokens, mask = batches.encode_sft(ctx.tok, batch_problems, ctx.seq_width)
         batch = {"tokens": jnp.asarray(tokens), "mask": jnp.asarray(mask)}

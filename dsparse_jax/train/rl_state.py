@@ -12,7 +12,6 @@ from flax import nnx
 
 from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.config.validate import prune_positions, prune_sizes
-from dsparse_jax.data import batches
 from dsparse_jax.model import draft_head, quality_head
 from dsparse_jax.model.lora import init_lora
 from dsparse_jax.parallel import sharding
@@ -199,7 +198,7 @@ def make_setup(ctx: RunContext) -> RLSetup:
             loss_agg=c.loss_agg,
             microbatches=c.microbatches,
         )
-    bins = max(1, math.ceil(batches.completion_budget(ctx.task) / ctx.config.metrics.position_bin))
+    bins = max(1, math.ceil(ctx.task.completion_budget() / ctx.config.metrics.position_bin))
     spec_cfg = bank = None
     if mode.speculative:
         spec_cfg = SpeculativeConfig(
@@ -210,8 +209,8 @@ def make_setup(ctx: RunContext) -> RLSetup:
         )
         if c.draft == "history":
             width = buffer_length(
-                batches.prompt_buffer(ctx.task),
-                batches.completion_budget(ctx.task),
+                ctx.task.prompt_buffer(),
+                ctx.task.completion_budget(),
                 ctx.spec.page_size,
             )
             bank = HistoryBank(c.history_prompts, c.history_per_prompt, width)

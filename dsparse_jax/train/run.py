@@ -11,7 +11,6 @@ import jax
 
 from dsparse_jax.config import schema
 from dsparse_jax.config.validate import field_error, validate
-from dsparse_jax.data import sources
 from dsparse_jax.errors import UserError
 from dsparse_jax.parallel import distributed, sharding
 from dsparse_jax.report.metrics import MetricsWriter, read_metrics
@@ -73,7 +72,7 @@ def main(config, workdir: str, sft_only: bool = False) -> dict:
     print(
         f"[run] {config.name}: model {ctx.model_cfg.d_model}d x {ctx.model_cfg.num_layers} "
         f"layers, {ctx.num_params / 1e6:.2f}M params, vocab {ctx.tok.vocab_size}; "
-        f"task {sources.describe(ctx.task)}, sequences of {ctx.seq_width} tokens; "
+        f"task {ctx.task.describe()}, sequences of {ctx.seq_width} tokens; "
         f"workdir {workdir}",
         flush=True,
     )
