@@ -62,7 +62,7 @@ def _train(args, cwd=ROOT, env=None):
 def files(tmp_path_factory):
     """A file where a directory is expected, a tokenizer.model, and a workdir whose SFT
     checkpoint was written by a model of another shape (d_model 64)."""
-    from dsparse_jax.data import gemma_tokenizer as gt
+    from dsparse_jax.data.tokenizers import gemma as gt
 
     d = tmp_path_factory.mktemp("cli")
     (d / "afile").write_text("x")

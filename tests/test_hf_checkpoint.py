@@ -303,7 +303,7 @@ def test_transformers5_rope_parameters():
 
 def test_gemma_tokenizer_matches_transformers(tmp_path):
     """Our GemmaTokenizer and transformers' GemmaTokenizer agree on a tiny Gemma-like model."""
-    from dsparse_jax.data import gemma_tokenizer as gt
+    from dsparse_jax.data.tokenizers import gemma as gt
 
     corpus = [
         "Natalia sold 48 clips in April and half as many in May. How many in all?",

@@ -10,8 +10,8 @@ import pytest
 
 from dsparse_jax.config.validate import load_config
 from dsparse_jax.data import dataset_task, math_task, rewards, sources
-from dsparse_jax.data import gemma_tokenizer as gt
 from dsparse_jax.data.task import Problem
+from dsparse_jax.data.tokenizers import gemma as gt
 
 CORPUS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as "

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from dsparse_jax.data.tokenizer import Tokenizer, train_tokenizer
+from dsparse_jax.data.tokenizers.base import Tokenizer, train_tokenizer
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",

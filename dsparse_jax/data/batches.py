@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from dsparse_jax.data.task import Problem, Task
-from dsparse_jax.data.tokenizer import Tokenizer
+from dsparse_jax.data.tokenizers.base import Tokenizer
 
 
 def sequence_buffer(task: Task, page_size: int) -> int:

@@ -8,7 +8,7 @@ import numpy as np
 
 from dsparse_jax.data.sources import SourceConfig, load_problems
 from dsparse_jax.data.task import Problem
-from dsparse_jax.data.tokenizer import Tokenizer
+from dsparse_jax.data.tokenizers.base import Tokenizer
 
 
 class DatasetTask:

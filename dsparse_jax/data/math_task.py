@@ -65,7 +65,7 @@ import string
 import numpy as np
 
 from dsparse_jax.data.task import Problem
-from dsparse_jax.data.tokenizer import Tokenizer, train_tokenizer
+from dsparse_jax.data.tokenizers.base import Tokenizer, train_tokenizer
 
 NAME_LETTERS = string.ascii_lowercase + string.ascii_uppercase  # the first `letters` are used
 ANSWER_PREFIX = "answer: "

@@ -40,9 +40,9 @@ import warnings
 import numpy as np
 
 from dsparse_jax.data import answer_check
-from dsparse_jax.data.gemma_tokenizer import MATH_INSTRUCTION, math_prompt, render_chat
 from dsparse_jax.data.task import Problem
-from dsparse_jax.data.tokenizer import Tokenizer
+from dsparse_jax.data.tokenizers.base import Tokenizer
+from dsparse_jax.data.tokenizers.gemma import MATH_INSTRUCTION, math_prompt, render_chat
 
 SCHEMES = ("synthetic", "jsonl", "parquet", "hf_disk", "tfds")
 QUESTION_FIELDS = ("question", "problem", "prompt", "query")

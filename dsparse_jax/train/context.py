@@ -20,10 +20,10 @@ from dsparse_jax.attention.spec import AttentionSpec, SparseSpec
 from dsparse_jax.config import schema
 from dsparse_jax.config.validate import ConfigError, field_error
 from dsparse_jax.data import batches, dataset_task, math_task, rewards, sources
-from dsparse_jax.data.gemma_tokenizer import GemmaTokenizer
 from dsparse_jax.data.math_task import build_tokenizer
 from dsparse_jax.data.task import Task
-from dsparse_jax.data.tokenizer import Tokenizer
+from dsparse_jax.data.tokenizers.base import Tokenizer
+from dsparse_jax.data.tokenizers.gemma import GemmaTokenizer
 from dsparse_jax.model import hf_checkpoint
 from dsparse_jax.model.config import ModelConfig, preset
 from dsparse_jax.model.lora import LoRAConfig, parse_targets

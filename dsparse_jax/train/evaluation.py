@@ -18,7 +18,7 @@ from flax import nnx
 from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.data import batches, rewards
 from dsparse_jax.data.task import Problem, Task
-from dsparse_jax.data.tokenizer import Tokenizer
+from dsparse_jax.data.tokenizers.base import Tokenizer
 from dsparse_jax.model import quality_head
 from dsparse_jax.sampling.sampler import Sampler, SamplingConfig, completion_view
 

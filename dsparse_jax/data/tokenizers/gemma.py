@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import numpy as np
 import sentencepiece as spm
 
-from dsparse_jax.data.tokenizer import Tokenizer
+from dsparse_jax.data.tokenizers.base import Tokenizer
 
 START_OF_TURN = "<start_of_turn>"
 END_OF_TURN = "<end_of_turn>"
