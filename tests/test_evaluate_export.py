@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from test_train_e2e import ROOT, TINY
 
-from dsparse_jax.data import rewards
+from dsparse_jax.data.rewards import graders
 from dsparse_jax.data.task import Problem
 from dsparse_jax.train import evaluation
 
@@ -52,7 +52,7 @@ def test_k_sample_metrics():
     tie = [["3", "5"]]
     assert evaluation.maj_at_k(tie, np.array([[False, True]])) == 0.0  # first seen wins
     p = Problem("vars: a1\nsum: +a\n", "", "1")
-    assert rewards.answer_key(p, "+a1 t=1\nanswer: 1\n") == "1"
+    assert graders.answer_key(p, "+a1 t=1\nanswer: 1\n") == "1"
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dsparse_jax.data import math_task as mt
-from dsparse_jax.data.rewards import batch_rewards, chain_reward, extract_answer
+from dsparse_jax.data.rewards.graders import batch_rewards, chain_reward, extract_answer
 
 CFG = mt.ChainTaskConfig()
 

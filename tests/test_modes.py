@@ -15,7 +15,7 @@ import optax
 import pytest
 
 from dsparse_jax.config.validate import ConfigError, load_config, validate
-from dsparse_jax.data import rewards
+from dsparse_jax.data.rewards.rewarder import Scored
 from dsparse_jax.rl import modes
 from dsparse_jax.train import context, phases, rl_loop, rl_state
 
@@ -77,7 +77,7 @@ def fake_score(tok, rollout, problems, rewarder=None, where=""):
     odd = np.asarray((rollout.tokens % 2) * rollout.completion_mask).sum(1)
     r = odd / np.maximum(np.asarray(rollout.completion_mask).sum(1), 1)
     texts = ["<completion>"] * len(r)
-    return rewards.Scored(r, np.zeros(len(r), bool), {"reward_errors": 0}), texts
+    return Scored(r, np.zeros(len(r), bool), {"reward_errors": 0}), texts
 
 
 # Options are spread so that compiles are shared: grpo_update compiles twice only (none

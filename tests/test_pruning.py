@@ -234,12 +234,12 @@ def _prune_run(tmp_path=None):
 
 def binary_score(tok, rollout, problems, rewarder=None, where=""):
     """A 0/1 reward an untrained model earns half the time: more odd than even tokens."""
-    from dsparse_jax.data import rewards
+    from dsparse_jax.data.rewards.rewarder import Scored
 
     m = np.asarray(rollout.completion_mask)
     odd = np.asarray((rollout.tokens % 2) * m).sum(1)
     r = (odd * 2 > m.sum(1)).astype(np.float64)
-    return rewards.Scored(r, np.zeros(len(r), bool), {"reward_errors": 0}), ["x"] * len(r)
+    return Scored(r, np.zeros(len(r), bool), {"reward_errors": 0}), ["x"] * len(r)
 
 
 @pytest.mark.slow

@@ -42,14 +42,14 @@ def _bash(cwd, command):
 
 
 def test_readme_reward_file_is_short_and_loads(tmp_path):
-    from dsparse_jax.data import user_rewards
+    from dsparse_jax.data.rewards import user
 
     reward, command = readme_example()
     assert len(reward.strip().splitlines()) <= 12
     path = tmp_path / "my_reward.py"
     path.write_text(reward)
-    fn = user_rewards.load_fn(f"{path}:compute_score")
-    assert user_rewards.signature_kind(fn) == user_rewards.VERL
+    fn = user.load_fn(f"{path}:compute_score")
+    assert user.signature_kind(fn) == user.VERL
     assert fn("synthetic:chain", "+a1 t=1\nanswer: 7\n", "7") == 1.0
     assert fn("synthetic:chain", "answer: 3", "7") == 0.2 and fn("x", "no", "7") == 0.0
 

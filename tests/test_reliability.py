@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dsparse_jax.data import rewards
+from dsparse_jax.data.rewards import graders
 from dsparse_jax.errors import UserError
 from dsparse_jax.reliability import checkpoints, faults
 from dsparse_jax.report.metrics import MetricsWriter, read_metrics
@@ -497,9 +497,9 @@ PATHOLOGICAL = [
 @pytest.mark.parametrize("text", PATHOLOGICAL, ids=range(len(PATHOLOGICAL)))
 def test_reward_on_pathological_completions(text):
     t = time.time()
-    got = rewards.extract_answer(text)
+    got = graders.extract_answer(text)
     assert got is None or (got.isascii() and got.isdigit() and 1 <= len(got) <= 32)
-    assert rewards.chain_reward(text, "5", 0.25) in (0.0, 0.25, 1.0)
+    assert graders.chain_reward(text, "5", 0.25) in (0.0, 0.25, 1.0)
     assert time.time() - t < 1.0  # no catastrophic regex backtracking
 
 
@@ -511,15 +511,15 @@ def test_reward_on_pathological_completions(text):
 )
 def test_rewards_never_raise_on_arbitrary_text(text, answer, fr):
     for completion in (text, "answer: 5\n" + text, text + "\nanswer: 5", text + "answer: 5"):
-        r = rewards.chain_reward(completion, answer, fr)
+        r = graders.chain_reward(completion, answer, fr)
         assert r in (0.0, fr, 1.0)
-        got = rewards.extract_answer(completion)
+        got = graders.extract_answer(completion)
         assert got is None or (got.isascii() and got.isdigit() and got in completion)
-    assert rewards.chain_reward("answer: 5\n" + text, "5", fr) == 1.0
-    out = rewards.batch_rewards([text, text + "\nanswer: 5"], [answer, "5"], fr)
+    assert graders.chain_reward("answer: 5\n" + text, "5", fr) == 1.0
+    out = graders.batch_rewards([text, text + "\nanswer: 5"], [answer, "5"], fr)
     assert out.dtype == np.float32 and out.shape == (2,) and np.isfinite(out).all()
 
 
 @pytest.mark.parametrize("completion", [None, b"answer: 5", 5, ["answer: 5"]])
 def test_reward_of_a_non_string_completion_is_zero(completion):
-    assert rewards.chain_reward(completion, "5") == 0.0
+    assert graders.chain_reward(completion, "5") == 0.0

@@ -9,7 +9,7 @@ import pytest
 
 from dsparse_jax.config import schema
 from dsparse_jax.config.validate import ConfigError, validate
-from dsparse_jax.data import rewards, user_rewards
+from dsparse_jax.data.rewards import graders, rewarder, user
 from dsparse_jax.data.task import Problem
 from dsparse_jax.errors import UserError
 
@@ -77,16 +77,16 @@ def _problems(n, answer="5"):
 
 
 def _rewarder(spec, **kw):
-    return rewards.Rewarder(fn=spec, **kw)
+    return rewarder.Rewarder(fn=spec, **kw)
 
 
 def test_split_spec():
-    assert user_rewards.split_spec("r.py") == ("r.py", "compute_score", True)
-    assert user_rewards.split_spec("a/b/r.py:fn") == ("a/b/r.py", "fn", True)
-    assert user_rewards.split_spec("pkg.mod:fn") == ("pkg.mod", "fn", False)
-    assert user_rewards.split_spec("pkg.mod.fn") == ("pkg.mod", "fn", False)
+    assert user.split_spec("r.py") == ("r.py", "compute_score", True)
+    assert user.split_spec("a/b/r.py:fn") == ("a/b/r.py", "fn", True)
+    assert user.split_spec("pkg.mod:fn") == ("pkg.mod", "fn", False)
+    assert user.split_spec("pkg.mod.fn") == ("pkg.mod", "fn", False)
     with pytest.raises(UserError, match="config.reward.fn"):
-        user_rewards.split_spec("nomodule")
+        user.split_spec("nomodule")
 
 
 def test_signature_detection():
@@ -99,10 +99,10 @@ def test_signature_detection():
     def neither(prompts, completions):
         return []
 
-    assert user_rewards.signature_kind(verl) == user_rewards.VERL
-    assert user_rewards.signature_kind(tunix) == user_rewards.BATCH
+    assert user.signature_kind(verl) == user.VERL
+    assert user.signature_kind(tunix) == user.BATCH
     with pytest.raises(UserError, match="expected verl's compute_score"):
-        user_rewards.signature_kind(neither, "x.py:neither")
+        user.signature_kind(neither, "x.py:neither")
 
 
 def test_verl_and_tunix_rewards_combined_with_weights(reward_file):
@@ -168,7 +168,7 @@ def test_a_hanging_reward_is_cut_off(reward_file):
 
 
 def test_a_hang_that_ignores_the_alarm_kills_the_worker(reward_file, monkeypatch):
-    monkeypatch.setattr(user_rewards, "_GRACE_S", 0.5)
+    monkeypatch.setattr(user, "_GRACE_S", 0.5)
     r = _rewarder(f"{reward_file}:hangs_ignoring_alarm", timeout_s=0.3, max_error_fraction=0.5)
     try:
         out = r.score(_problems(3), ["ok", "boom", "ok"])  # the worker restarts for row 2
@@ -181,7 +181,7 @@ def test_a_hang_that_ignores_the_alarm_kills_the_worker(reward_file, monkeypatch
 def test_too_many_errors_stop_with_a_clear_message(reward_file):
     r = _rewarder(f"{reward_file}:raises_on_boom", max_error_fraction=0.25)
     try:
-        with pytest.raises(rewards.RewardErrors) as e:
+        with pytest.raises(rewarder.RewardErrors) as e:
             r.score(_problems(4), ["boom", "boom", "ok", "ok"], where="RL step 3")
     finally:
         r.close()
@@ -245,9 +245,9 @@ GRADER_TABLE = [
 def test_math_verify_against_the_in_house_grader():
     pytest.importorskip("math_verify", reason="math-verify not installed")
     for ref, completion, ours, theirs in GRADER_TABLE:
-        assert rewards.reward(completion, ref, "math") == ours, (ref, completion)
-        assert rewards.reward(completion, ref, "math_verify") == theirs, (ref, completion)
-    r = rewards.Rewarder(grader="math_verify")
+        assert graders.reward(completion, ref, "math") == ours, (ref, completion)
+        assert graders.reward(completion, ref, "math_verify") == theirs, (ref, completion)
+    r = rewarder.Rewarder(grader="math_verify")
     probs = [Problem("q", "", ref, grader="math") for ref, *_ in GRADER_TABLE]
     got = r.score(probs, [c for _, c, *_ in GRADER_TABLE]).rewards
     assert got.tolist() == [float(t) for *_, t in GRADER_TABLE]

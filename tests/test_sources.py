@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from dsparse_jax.config.validate import load_config
-from dsparse_jax.data import dataset_task, math_task, rewards, sources
+from dsparse_jax.data import dataset_task, math_task, sources
+from dsparse_jax.data.rewards import graders
 from dsparse_jax.data.task import Problem
 from dsparse_jax.data.tokenizers import gemma as gt
 
@@ -85,7 +86,7 @@ def test_jsonl_gsm8k(tok, tmp_path):
     assert stats == {"total": 55, "bad": 5, "overlong": 0, "truncated": 0, "kept": 50}
     assert probs[0].answer == "1,991" and probs[0].grader == "math"
     # the thousands separator is kept in the reference and graded numerically
-    assert rewards.reward("so \\boxed{1991}", probs[0].answer, "math") == 1.0
+    assert graders.reward("so \\boxed{1991}", probs[0].answer, "math") == 1.0
     assert "Tom has 995 apples" in probs[0].prompt and probs[0].solution.endswith("#### 1,991")
     with pytest.raises(ValueError, match="max_bad_fraction"):
         sources.load_problems(
@@ -133,7 +134,7 @@ def test_parquet_math_fields(tok, tmp_path):
     with pytest.warns(UserWarning, match="no usable question"):
         probs, stats = sources.load_problems(f"parquet:{tmp_path}/m.parquet", cfg, tok)
     assert [p.answer for p in probs] == ["\\frac{5}{6}", "2"] and stats["bad"] == 1
-    r = rewards.batch_rewards(
+    r = graders.batch_rewards(
         ["so \\boxed{5/6}", "\\boxed{3}", "answer: 2"],
         [probs[0].answer, probs[1].answer, probs[1].answer],
         graders=["math", "math", "math"],

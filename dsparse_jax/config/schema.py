@@ -102,7 +102,7 @@ def defaults() -> ml_collections.ConfigDict:
     c.task.train_size = 0  # 0: endless training stream; N: N problems, repeated in epochs
     c.task.format_reward = 0.0  # reward for a well-formed but wrong answer
 
-    # Rewards (data/rewards.py, data/user_rewards.py; README "Bring your own reward and
+    # Rewards (data/rewards/: graders, rewarder, user; README "Bring your own reward and
     # data"). fn: "" (the built-in grader) or a comma list of path/to/file.py[:name] |
     # package.module:name | builtin, with verl's compute_score(data_source, solution_str,
     # ground_truth, extra_info) or tunix's fn(prompts, completions, **kwargs) signature.

@@ -229,22 +229,22 @@ def _validate_reward(c) -> None:
     """reward.*: the specs parse, their files exist, one weight each; the grader's package.
     (The functions themselves are imported, and their signatures checked, by the reward
     worker when the run is built.)"""
-    from dsparse_jax.data import rewards, user_rewards
+    from dsparse_jax.data.rewards import graders, rewarder, user
 
     r = c.reward
     try:
-        for spec in rewards.parse_specs(r.fn):
-            if spec != user_rewards.BUILTIN:
-                target, _, is_file = user_rewards.split_spec(spec)
+        for spec in rewarder.parse_specs(r.fn):
+            if spec != user.BUILTIN:
+                target, _, is_file = user.split_spec(spec)
                 _check(
                     not is_file or os.path.isfile(target), "reward.fn", f"no such file {target!r}"
                 )
-        rewards.parse_weights(r.weights, len(rewards.parse_specs(r.fn)))
+        rewarder.parse_weights(r.weights, len(rewarder.parse_specs(r.fn)))
     except ConfigError:
         raise
     except UserError as e:  # its message names the field
         raise ConfigError(str(e)) from None
-    _check(r.grader in rewards.GRADERS, "reward.grader", f"must be one of {rewards.GRADERS}")
+    _check(r.grader in graders.GRADERS, "reward.grader", f"must be one of {graders.GRADERS}")
     _check(
         r.grader != "math_verify" or importlib.util.find_spec("math_verify") is not None,
         "reward.grader",

@@ -19,8 +19,9 @@ from flax import nnx
 from dsparse_jax.attention.spec import AttentionSpec, SparseSpec
 from dsparse_jax.config import schema
 from dsparse_jax.config.validate import ConfigError, field_error
-from dsparse_jax.data import batches, dataset_task, math_task, rewards, sources
+from dsparse_jax.data import batches, dataset_task, math_task, sources
 from dsparse_jax.data.math_task import build_tokenizer
+from dsparse_jax.data.rewards.rewarder import Rewarder
 from dsparse_jax.data.task import Task
 from dsparse_jax.data.tokenizers.base import Tokenizer
 from dsparse_jax.data.tokenizers.gemma import GemmaTokenizer
@@ -48,11 +49,11 @@ class RunContext:
     seq_width: int  # static width of prompt + completion buffers
     rollout_spec: AttentionSpec | None = None  # sparse actor attention (config.sparse)
     lora_cfg: LoRAConfig | None = None  # the actor's adapter (config.lora, distillsparse)
-    rewarder: rewards.Rewarder | None = None  # config.reward (close() it when done)
+    rewarder: Rewarder | None = None  # config.reward (close() it when done)
 
     def __post_init__(self):
         if self.rewarder is None:
-            self.rewarder = rewards.Rewarder.from_config(self.config)
+            self.rewarder = Rewarder.from_config(self.config)
 
     @property
     def mode(self) -> str:
@@ -158,7 +159,7 @@ def build(config) -> RunContext:
     lora_cfg = lora_config(config)
     sampler = Sampler(graphdef)
     eval_problems = task.problems("eval", 0, config.eval.num_problems, config.seed)
-    rewarder = rewards.Rewarder.from_config(config)  # starts the worker of user functions
+    rewarder = Rewarder.from_config(config)  # starts the worker of user functions
     evaluator = Evaluator(sampler, tok, task, eval_problems, spec, rewarder=rewarder)
     return RunContext(
         config=config,

@@ -1,8 +1,8 @@
 """Held-out evaluation: greedy accuracy, mean@k, maj@k and pass@k on the task's eval split.
 
-A completion is correct when its reward is >= 1 (rewards.is_correct). Over k samples per
+A completion is correct when its reward is >= 1 (graders.is_correct). Over k samples per
 problem: mean@k is the mean correctness, pass@k the fraction of problems with a correct
-sample, maj@k the fraction whose most frequent extracted answer (rewards.answer_key; ties:
+sample, maj@k the fraction whose most frequent extracted answer (graders.answer_key; ties:
 the first seen) is a correct one; with a rollout quality head (rl.prune), qmaj@k weighs
 each sample's vote by the head's P(correct) (docs/pruning.md)."""
 
@@ -16,7 +16,9 @@ import numpy as np
 from flax import nnx
 
 from dsparse_jax.attention.spec import AttentionSpec
-from dsparse_jax.data import batches, rewards
+from dsparse_jax.data import batches
+from dsparse_jax.data.rewards import graders
+from dsparse_jax.data.rewards.rewarder import Rewarder, Scored
 from dsparse_jax.data.task import Problem, Task
 from dsparse_jax.data.tokenizers.base import Tokenizer
 from dsparse_jax.model import quality_head
@@ -28,8 +30,8 @@ def decode_completions(tok: Tokenizer, rollout) -> list[str]:
 
 
 def score(
-    tok: Tokenizer, rollout, problems: list[Problem], rewarder: rewards.Rewarder, where: str = ""
-) -> tuple[rewards.Scored, list[str]]:
+    tok: Tokenizer, rollout, problems: list[Problem], rewarder: Rewarder, where: str = ""
+) -> tuple[Scored, list[str]]:
     """Rewards of a rollout whose rows are `problems` repeated samples_per_prompt times,
     and the completions' text."""
     texts = decode_completions(tok, rollout)
@@ -53,10 +55,10 @@ class Evaluator:
         problems: list[Problem],
         spec: AttentionSpec = AttentionSpec(),
         batch_size: int = 64,
-        rewarder: rewards.Rewarder | None = None,
+        rewarder: Rewarder | None = None,
     ):
         self.sampler, self.tok, self.problems, self.spec = sampler, tok, problems, spec
-        self.rewarder = rewarder or rewards.Rewarder()
+        self.rewarder = rewarder or Rewarder()
         self.batch_size = min(batch_size, len(problems))
         self.max_new = task.completion_budget()
         self.prompt_width = task.prompt_buffer()
@@ -103,7 +105,7 @@ class Evaluator:
 
     def _accuracy(self, params, cfg: SamplingConfig, key, lora=None, lora_scale=1.0, spec=None):
         _, r = self.samples(params, cfg, key, lora, lora_scale, spec)
-        return float(np.mean(rewards.is_correct(r)))
+        return float(np.mean(graders.is_correct(r)))
 
     def sampling_config(self, temperature: float, k: int = 1) -> SamplingConfig:
         return SamplingConfig(
@@ -133,7 +135,7 @@ class Evaluator:
         first head_position completion tokens, read at head_layer)."""
         kw = dict(lora=lora, lora_scale=lora_scale, spec=spec, on_batch=on_batch)
         _, greedy = self.samples(params, self.sampling_config(0.0), jax.random.key(0), **kw)
-        out = {"greedy_accuracy": float(np.mean(rewards.is_correct(greedy)))}
+        out = {"greedy_accuracy": float(np.mean(graders.is_correct(greedy)))}
         if k:
             scfg = self.sampling_config(temperature, k)
             weights = None
@@ -153,9 +155,9 @@ class Evaluator:
             else:
                 texts, r = self.samples(params, scfg, key, **kw)
             answers = [
-                [rewards.answer_key(p, t) for t in row] for p, row in zip(self.problems, texts)
+                [graders.answer_key(p, t) for t in row] for p, row in zip(self.problems, texts)
             ]
-            correct = rewards.is_correct(r)
+            correct = graders.is_correct(r)
             out.update(
                 {
                     f"mean_at_{k}": mean_at_k(correct),
@@ -197,7 +199,7 @@ class Evaluator:
         per-problem outcomes a bootstrap over problems resamples)."""
         cfg = self.sampling_config(0.0)
         _, r = self.samples(params, cfg, jax.random.key(0), lora, lora_scale, spec)
-        return rewards.is_correct(r)[:, 0]
+        return graders.is_correct(r)[:, 0]
 
     def mean_at_k(
         self,

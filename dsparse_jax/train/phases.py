@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsparse_jax.data import batches
-from dsparse_jax.data import rewards as rewards_lib
+from dsparse_jax.data.rewards import graders
 from dsparse_jax.data.task import Problem
 from dsparse_jax.parallel import sharding
 from dsparse_jax.reliability import faults
@@ -345,7 +345,7 @@ def score(ctx: RunContext, setup: RLSetup, gen: Generated, step: int = 0):
     return Scored(r, texts, np.asarray(scored.rewards)), {
         **scored.metrics,
         "reward": float(r.mean()),
-        "accuracy": float(rewards_lib.is_correct(r).mean()),
+        "accuracy": float(graders.is_correct(r).mean()),
         "response_length_mean": float(ncomp.mean()),
         "response_length_max": int(ncomp.max()),
     }

@@ -14,7 +14,7 @@ Two signatures are recognised, by their parameter names:
            a batch per call; kwargs are answer, ground_truth, data_source, extra_info
            (lists, one item per row); returns one number per row
 
-The functions run in one worker process (`python -m dsparse_jax.data.user_rewards`),
+The functions run in one worker process (`python -m dsparse_jax.data.rewards.user`),
 started on the first call: a call that runs past `timeout_s` is interrupted (SIGALRM in
 the worker; a hang that ignores it is ended by killing the worker, which restarts). The
 worker imports only the reward files and the standard library, never jax.
@@ -44,7 +44,7 @@ from dsparse_jax.errors import UserError
 
 VERL, BATCH = "verl", "batch"
 DEFAULT_NAME = "compute_score"  # verl's default custom_reward_function.name
-BUILTIN = "builtin"  # the spec of the in-house grader (data/rewards.py) in a reward.fn list
+BUILTIN = "builtin"  # the spec of the in-house grader (rewards/graders.py) in a reward.fn list
 _GRACE_S = 5.0  # the parent's backstop past the worker's own per-call alarm
 
 
@@ -243,7 +243,9 @@ class RewardWorker:
         self.kinds = self._start()
 
     def _start(self) -> list[str]:
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        root = os.path.dirname(
+            os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        )
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([root, os.getcwd()] + [p for p in sys.path if p])
         env.pop("XLA_FLAGS", None)
@@ -251,7 +253,7 @@ class RewardWorker:
             [
                 sys.executable,
                 "-m",
-                "dsparse_jax.data.user_rewards",
+                "dsparse_jax.data.rewards.user",
                 json.dumps(self.specs),
                 str(self.timeout_s),
             ],
