@@ -39,7 +39,7 @@ def apply_paper_settings(c, generation_length: int):
     m.dtype = "bfloat16"
     c.attention.impl = "auto"
     c.attention.page_size = 16
-    c.sparse.policy = "distillsparse"
+    c.sparse.policy = "centroid"
     c.sparse.budget = 32
     c.sparse.dense_layers = 2
     c.sparse.sink_pages = 1

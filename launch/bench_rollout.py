@@ -2,7 +2,7 @@
 
   python launch/bench_rollout.py --quick                      # smoke test, < 2 minutes
   python launch/bench_rollout.py > bench.json 2> bench.err    # full run (long on CPU)
-  python launch/bench_rollout.py --gen_lens=16384 --configs=dense,distillsparse:0 \
+  python launch/bench_rollout.py --gen_lens=16384 --configs=dense,centroid:0 \
       --skip_steps --warmup=aot                               # 16k generation only
 
 Everything is measured in this process, with random weights, on the tiny preset by default
@@ -41,10 +41,10 @@ budget's slots all filled): which pages are recorded does not change the cost. R
 median wall time of --twin_reps calls and XLA's compiled memory analysis (temporary
 buffers = the peak working set besides inputs and outputs).
 
-Configuration names: "dense", or "<policy>:<dense_layers>" (e.g. "distillsparse:0" is
-every global layer sparse, "distillsparse:2" keeps layers 0-1 dense, the default), with an
+Configuration names: "dense", or "<policy>:<dense_layers>" (e.g. "centroid:0" is
+every global layer sparse, "centroid:2" keeps layers 0-1 dense, the default), with an
 optional two-level selection suffix ":g<G>c<C>" (group_pages G, candidate_groups C; e.g.
-"distillsparse:0:g8c16").
+"centroid:0:g8c16").
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from dsparse_jax.config import cli  # noqa: E402
 
-POLICIES = ("distillsparse", "quest", "streaming")
+POLICIES = ("centroid", "quest", "streaming")
 REFERENCE = "dense@budget"  # the overhead's reference step, timed in every context's rounds
 
 
@@ -80,7 +80,7 @@ def parse_args(argv=None):
         "--quick",
         action="store_true",
         help="small smoke run (< 2 min): B=8, 128 tokens, steps at L=1024, "
-        "every policy all-sparse plus distillsparse:2 (unless --configs)",
+        "every policy all-sparse plus centroid:2 (unless --configs)",
     )
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt_len", type=int, default=64)
@@ -154,7 +154,7 @@ def parse_args(argv=None):
         args.batch, args.prompt_len, args.gen_lens = 8, 32, "128"
         args.step_contexts, args.step_rounds, args.step_reps = "1024", 2, 5
         if not args.configs:
-            args.configs = "dense," + ",".join(f"{p}:0" for p in POLICIES) + ",distillsparse:2"
+            args.configs = "dense," + ",".join(f"{p}:0" for p in POLICIES) + ",centroid:2"
     return args
 
 

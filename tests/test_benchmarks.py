@@ -23,7 +23,7 @@ def test_bench_rollout_reports_every_part(tmp_path, capsys):
             "--prompt_len=8",
             "--gen_lens=32",
             "--grow_from=0,16",
-            "--configs=dense,distillsparse:0",
+            "--configs=dense,centroid:0",
             "--budget=3",
             "--warmup=aot",
             "--step_contexts=64",
@@ -42,9 +42,9 @@ def test_bench_rollout_reports_every_part(tmp_path, capsys):
     rows = {(r["config"], r["grow_buffer_from"]): r for r in d["throughput"]}
     assert set(rows) == {
         ("dense", 0),
-        ("distillsparse:0", 0),
+        ("centroid:0", 0),
         ("dense", 16),
-        ("distillsparse:0", 16),
+        ("centroid:0", 16),
     }
     for r in rows.values():
         assert r["completion_len_min"] == r["completion_len_max"] == 32  # EOS never sampled
@@ -52,16 +52,16 @@ def test_bench_rollout_reports_every_part(tmp_path, capsys):
     assert rows[("dense", 0)]["cache_buffers"] == [48]  # 8 + 32 rounded to pages of 16
     assert rows[("dense", 16)]["cache_buffers"] == [32, 48]
     assert "over_fixed_buffer" in rows[("dense", 16)]
-    assert "sparse_over_dense" in rows[("distillsparse:0", 16)]
+    assert "sparse_over_dense" in rows[("centroid:0", 16)]
 
     steps = {(r["context"], r["config"]) for r in d["step"]}
     # every config at each context, plus the dense references at the budget and the floor
-    assert steps == {(64, "dense"), (64, "distillsparse:0"), (48, "dense"), (16, "dense")}
+    assert steps == {(64, "dense"), (64, "centroid:0"), (48, "dense"), (16, "dense")}
     (ratio,) = d["step_ratios"]
-    assert ratio["config"] == "distillsparse:0" and ratio["decode_speedup_vs_dense"] > 0
+    assert ratio["config"] == "centroid:0" and ratio["decode_speedup_vs_dense"] > 0
     assert "over_dense_at_budget" in ratio and d["step_floor_ms"] > 0
     # the overhead's reference (dense at the budget) ran in the same rounds as the step at 64
-    step64 = next(r for r in d["step"] if (r["context"], r["config"]) == (64, "distillsparse:0"))
+    step64 = next(r for r in d["step"] if (r["context"], r["config"]) == (64, "centroid:0"))
     ref = step64["reference"]
     assert ref["context"] == 48 and ref["n"] == 2 and ratio["reference_same_rounds"]
     assert ratio["over_dense_at_budget"] == pytest.approx(ratio["sparse_ms"] / ref["median_ms"])
@@ -70,8 +70,8 @@ def test_bench_rollout_reports_every_part(tmp_path, capsys):
     assert d["targets"]["sparse_step_at_64_le_1.25x_dense_step_at_48"] != "not measured"
 
     twin = {r["config"]: r for r in d["twin"]}
-    assert set(twin) == {"dense", "distillsparse:0"}
-    assert twin["distillsparse:0"]["twin_over_dense"] > 0
+    assert set(twin) == {"dense", "centroid:0"}
+    assert twin["centroid:0"]["twin_over_dense"] > 0
     assert all(r["temp_bytes"] > 0 for r in twin.values())
 
 
@@ -81,7 +81,7 @@ def test_bench_rollout_config_names():
     assert spec_for("dense", 32, 16).sparse is None
     sp = spec_for("quest:2", 32, 16).sparse
     assert (sp.policy, sp.dense_layers, sp.group_pages) == ("quest", 2, 0)
-    sp = spec_for("distillsparse:0:g16c8", 32, 16).sparse
+    sp = spec_for("centroid:0:g16c8", 32, 16).sparse
     assert (sp.dense_layers, sp.group_pages, sp.candidate_groups) == (0, 16, 8)
 
 
@@ -91,7 +91,7 @@ def test_bench_gather_slices_reports_every_pair(tmp_path):
     bench.main(
         [
             "--contexts=64",
-            "--configs=distillsparse:0",
+            "--configs=centroid:0",
             "--slices=1,2,3",
             "--rounds=1",
             "--reps=2",

@@ -632,7 +632,7 @@ def test_rollout_pallas_interpret_matches_xla():
     prompts = np.where(np.arange(11) < lengths[:, None], prompts, 0)
     sampling = SamplingConfig(max_new, 1, 0, temperature=0.9, top_logprobs=vocab)
     state, sampler, forward, grad_logp = rollout_model()
-    sp = SparseSpec("distillsparse", budget=3, dense_layers=0)
+    sp = SparseSpec("centroid", budget=3, dense_layers=0)
     out = {}
     for impl in ("xla", "pallas_tpu"):
         spec = AttentionSpec(impl=impl, page_size=4, sparse=sp)

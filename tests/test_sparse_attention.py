@@ -119,9 +119,9 @@ def budget_np(sparse: SparseSpec, ctx: int) -> int:
 
 SPARSE_CASES = {
     # name: (num_kv_heads, spec, sparse layers). Layers 0, 2 are local (never sparse).
-    "distillsparse_kv1": (
+    "centroid_kv1": (
         1,
-        AttentionSpec(page_size=4, sparse=SparseSpec("distillsparse", budget=4, dense_layers=1)),
+        AttentionSpec(page_size=4, sparse=SparseSpec("centroid", budget=4, dense_layers=1)),
         {1, 3},
     ),
     # A Sparrow-style budget schedule (3, 4, then 6 pages as the context grows), other
@@ -143,12 +143,12 @@ SPARSE_CASES = {
     ),
     # Two-level selection: 2 candidate groups of 2 pages besides the 3 reserved ones, out
     # of up to 6 groups: the candidates do not cover the context.
-    "distillsparse_two_level_kv2": (
+    "centroid_two_level_kv2": (
         2,
         AttentionSpec(
             page_size=4,
             sparse=SparseSpec(
-                "distillsparse", budget=5, dense_layers=1, group_pages=2, candidate_groups=4
+                "centroid", budget=5, dense_layers=1, group_pages=2, candidate_groups=4
             ),
         ),
         {1, 3},
@@ -258,7 +258,7 @@ def test_forced_replay_reproduces_the_rollout():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "case", ["dense", "distillsparse_kv1", "quest_schedule_kv2", "distillsparse_two_level_kv2"]
+    "case", ["dense", "centroid_kv1", "quest_schedule_kv2", "centroid_two_level_kv2"]
 )
 def test_growing_cache_buffer_changes_nothing(case):
     """A rollout whose decode cache grows through 4 buffers (sampler.buffer_schedule) is the
@@ -316,11 +316,11 @@ SEL_LENGTHS = np.array([30, 7, 25, 18, 2])
 # prefill and decode keys; row 4 has 4 pages, fewer than every budget.
 SEL_STEPS = 14
 SEL_CASES = {
-    "distillsparse": SparseSpec("distillsparse", budget=5, dense_layers=0),
+    "centroid": SparseSpec("centroid", budget=5, dense_layers=0),
     "quest": SparseSpec("quest", budget=5, dense_layers=0),
     "streaming": SparseSpec("streaming", budget=4, dense_layers=0),
-    "distillsparse_sink2_recent1": SparseSpec(
-        "distillsparse", budget=4, sink_pages=2, recent_pages=1, dense_layers=0
+    "centroid_sink2_recent1": SparseSpec(
+        "centroid", budget=4, sink_pages=2, recent_pages=1, dense_layers=0
     ),
     "quest_schedule": SparseSpec(
         "quest", budget=3, budget_schedule=((16, 3), (64, 6)), dense_layers=0
@@ -372,7 +372,7 @@ def jax_selection():
 
 
 def np_select(sparse: SparseSpec, keys_SxKxH, q_KxGxH, pos, ps):
-    """The method, per KV head: score pages (distillsparse: group-mean query . centroid;
+    """The method, per KV head: score pages (centroid: group-mean query . centroid;
     quest: sum_i max(q_i min_i, q_i max_i); streaming: recency), keep sink + recent pages,
     fill the budget with the best-scoring others. Returns a set per KV head."""
     cur = pos // ps
@@ -384,7 +384,7 @@ def np_select(sparse: SparseSpec, keys_SxKxH, q_KxGxH, pos, ps):
         scores = {}
         for j in set(range(cur + 1)) - reserved:
             page = keys_SxKxH[j * ps : min((j + 1) * ps, pos + 1), h]
-            if sparse.policy == "distillsparse":
+            if sparse.policy == "centroid":
                 scores[j] = qm @ page.mean(0)
             elif sparse.policy == "quest":
                 scores[j] = np.maximum(qm * page.min(0), qm * page.max(0)).sum()
@@ -422,7 +422,7 @@ def test_group_mean_query_matters():
     """The numpy reference is sensitive to the group-mean query: scoring with one query
     head instead changes some selection (so the comparison above can catch that bug)."""
     k_prompt, k_steps, q = sel_data()
-    sparse = SEL_CASES["distillsparse"]
+    sparse = SEL_CASES["centroid"]
     changed = 0
     for b in range(SEL_B):
         p = SEL_LENGTHS[b]
@@ -435,7 +435,7 @@ def test_group_mean_query_matters():
 
 
 def test_budget_for_schedule():
-    sp = SparseSpec("distillsparse", budget=3, budget_schedule=((16, 3), (64, 6), (128, 9)))
+    sp = SparseSpec("centroid", budget=3, budget_schedule=((16, 3), (64, 6), (128, 9)))
     ctx = np.array([1, 16, 17, 64, 65, 128, 129, 10_000])
     got = np.asarray(jax.jit(lambda c: selection.budget_for(sp, c))(jnp.asarray(ctx)))
     np.testing.assert_array_equal(got, [budget_np(sp, c) for c in ctx])
@@ -448,7 +448,7 @@ def test_budget_for_schedule():
 def test_local_and_dense_layers_ignore_pages_and_have_no_summaries():
     """api.attend_sequence applies a page record only to the spec's sparse layers, and only
     those layers' caches carry page summaries."""
-    spec = AttentionSpec(page_size=4, sparse=SparseSpec("distillsparse", budget=3, dense_layers=2))
+    spec = AttentionSpec(page_size=4, sparse=SparseSpec("centroid", budget=3, dense_layers=2))
     local = LayerInfo(index=4, window=5, softcap=None, scale=0.5)
     early_global = LayerInfo(index=1, window=None, softcap=None, scale=0.5)
     sparse_global = LayerInfo(index=2, window=None, softcap=None, scale=0.5)

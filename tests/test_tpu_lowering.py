@@ -94,7 +94,7 @@ def gemma_like(num_layers=6):
 
 
 SPEC = AttentionSpec(
-    impl="pallas_tpu", page_size=16, sparse=SparseSpec("distillsparse", budget=32, dense_layers=0)
+    impl="pallas_tpu", page_size=16, sparse=SparseSpec("centroid", budget=32, dense_layers=0)
 )
 
 

@@ -11,7 +11,7 @@
 (d) validation: group sizes, streaming, too few candidate groups; the cache grows its
     group summaries along the group axis.
 The sampler's rollouts with two-level selection are checked against the teacher-forced
-twin in test_sparse_attention.py (case distillsparse_two_level_kv2).
+twin in test_sparse_attention.py (case centroid_two_level_kv2).
 """
 
 import functools
@@ -30,22 +30,22 @@ B, K, G, H, PS, LEN, T, STEPS = 4, 2, 2, 4, 4, 64, 30, 20
 LENGTHS = np.array([30, 7, 25, 2])  # final positions lengths + STEPS - 1: 49, 26, 44, 21
 LAYER = LayerInfo(index=3, window=None, softcap=None, scale=1.0)
 CASES = {  # name: (two-level spec, covers every page)
-    "distillsparse_cover": (
-        SparseSpec("distillsparse", 5, dense_layers=0, group_pages=2, candidate_groups=8),
+    "centroid_cover": (
+        SparseSpec("centroid", 5, dense_layers=0, group_pages=2, candidate_groups=8),
         True,
     ),
     "quest_cover": (
         SparseSpec("quest", 5, dense_layers=0, group_pages=3, candidate_groups=6),
         True,
     ),
-    "distillsparse": (
-        SparseSpec("distillsparse", 5, dense_layers=0, group_pages=2, candidate_groups=4),
+    "centroid": (
+        SparseSpec("centroid", 5, dense_layers=0, group_pages=2, candidate_groups=4),
         False,
     ),
     "quest": (SparseSpec("quest", 6, dense_layers=0, group_pages=3, candidate_groups=4), False),
-    "distillsparse_sink2_recent1": (
+    "centroid_sink2_recent1": (
         SparseSpec(
-            "distillsparse",
+            "centroid",
             6,
             sink_pages=2,
             recent_pages=1,
@@ -120,10 +120,10 @@ def run_all():
 
 
 def np_summaries(policy, keys_LxKxH, span, num):
-    """[K, num, H] per unit of `span` positions: key sums (distillsparse) or min/max."""
+    """[K, num, H] per unit of `span` positions: key sums (centroid) or min/max."""
     out = {}
     units = [keys_LxKxH[u * span : (u + 1) * span] for u in range(num)]
-    if policy == "distillsparse":
+    if policy == "centroid":
         out["ksum"] = np.stack([u.sum(0) if len(u) else np.zeros((K, H)) for u in units], 1)
     else:
         out["kmin"] = np.stack([u.min(0) if len(u) else np.zeros((K, H)) for u in units], 1)
@@ -132,7 +132,7 @@ def np_summaries(policy, keys_LxKxH, span, num):
 
 
 def np_score(policy, qm, keys):
-    if policy == "distillsparse":
+    if policy == "centroid":
         return qm @ keys.mean(0)
     return np.maximum(qm * keys.min(0), qm * keys.max(0)).sum()
 
@@ -224,8 +224,8 @@ def test_covering_candidates_break_ties_as_flat():
     ksum = jnp.asarray(means * PS)[None, None, :, None]
     summaries = {"ksum": ksum, "ksum" + GROUP: ksum.reshape(1, 1, 6, 2, 1).sum(3)}
     q, pos = jnp.ones((1, 1, 1, 1)), jnp.array([10 * PS + 3])
-    flat = SparseSpec("distillsparse", 5, dense_layers=0)
-    two = SparseSpec("distillsparse", 5, dense_layers=0, group_pages=2, candidate_groups=8)
+    flat = SparseSpec("centroid", 5, dense_layers=0)
+    two = SparseSpec("centroid", 5, dense_layers=0, group_pages=2, candidate_groups=8)
     got = {
         sp: np.asarray(selection.select_pages(sp, summaries, q, pos, PS, 12)) for sp in (flat, two)
     }

@@ -217,3 +217,20 @@ def test_backend_warning_names_bf16_on_cpu_only():
     assert run.backend_warning("float32", "cpu") is None
     assert run.backend_warning("bfloat16", "gpu") is None
     assert run.backend_warning("bfloat16", "tpu") is None
+
+
+def test_renamed_policy_value_is_read_under_its_new_name(capsys):
+    """sparse.policy='distillsparse' (the centroid scorer's old name) still loads, from a
+    config file with a one-line note and from an old run's config.json silently."""
+    from dsparse_jax.config import cli, schema
+
+    path = os.path.join(ROOT, "configs", "gemma_math.py")
+    config = cli.load_config(path, {"sparse.policy": "distillsparse"})
+    assert config.sparse.policy == "centroid"
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "note: sparse.policy='distillsparse' is now called 'centroid' (read as that)"
+    ]
+    validate(config)
+    old_run = schema.from_dict({"sparse": {"policy": "distillsparse"}})
+    assert old_run.sparse.policy == "centroid"
+    assert schema.from_dict({"sparse": {"policy": "quest"}}).sparse.policy == "quest"

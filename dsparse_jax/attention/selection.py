@@ -7,7 +7,7 @@ sampled from.
 
 Policies (scores are per (sequence, KV head); the query is averaged over the query heads
 of its GQA group):
-  distillsparse: page centroid c = mean of the page's keys; score = q_mean . c.
+  centroid:      page centroid c = mean of the page's keys; score = q_mean . c.
   quest:         per-page channel-wise key min m and max M; score = sum_i max(q_i m_i, q_i M_i).
   streaming:     no scores: sink pages plus the most recent pages.
 Reserved pages (always read): the first `sink_pages` pages and the `recent_pages` most
@@ -51,7 +51,7 @@ class PageRecord:
 
 
 # ----------------------------------------------------------------------------- summaries
-SUMMARY_NAMES = {"distillsparse": ("ksum",), "quest": ("kmin", "kmax")}  # per scored policy
+SUMMARY_NAMES = {"centroid": ("ksum",), "quest": ("kmin", "kmax")}  # per scored policy
 GROUP = "_group"  # suffix of the group-level summaries (two-level selection)
 
 
@@ -75,7 +75,7 @@ def init_summaries(
 def _page_summaries(policy: str, k_BxKxPxSxH, valid) -> dict:
     """Summaries of whole pages from their keys; `valid` (broadcastable to the keys) masks
     the positions that hold no key yet. A page without keys summarises to zeros."""
-    if policy == "distillsparse":
+    if policy == "centroid":
         return {"ksum": jnp.where(valid, k_BxKxPxSxH, 0).sum(3)}
     any_valid = valid.any(3)
     kmin = jnp.where(valid, k_BxKxPxSxH, jnp.inf).min(3)
@@ -90,7 +90,7 @@ def _group_summaries(policy: str, pages: dict, page_ok_BxN, group_pages: int) ->
     b, kv, n, h = next(iter(pages.values())).shape
     grouped = lambda x: x.reshape(b, kv, n // group_pages, group_pages, h)
     ok = grouped(jnp.broadcast_to(page_ok_BxN[:, None, :, None], (b, kv, n, h)))
-    if policy == "distillsparse":
+    if policy == "centroid":
         return {"ksum" + GROUP: grouped(pages["ksum"]).sum(3)}
     any_ok = ok.any(3)
     kmin = jnp.where(ok, grouped(pages["kmin"]), jnp.inf).min(3)
@@ -183,7 +183,7 @@ def summarize_decode(
     out = {}
     for suffix, span in levels:
         unit_B = pos_B // span
-        if policy == "distillsparse":
+        if policy == "centroid":
             out["ksum" + suffix] = cache["ksum" + suffix].at[rows, :, unit_B].add(k)
         elif policy == "quest":
             first = (pos_B % span == 0)[:, None, None]  # a new page (group) starts: reset
@@ -226,7 +226,7 @@ def _scores(
         start = unit_BxKxN * span
     else:
         start = (jnp.arange(x[names[0]].shape[2]) * span)[None, None]
-    if policy == "distillsparse":
+    if policy == "centroid":
         count = jnp.clip(pos_B[:, None, None] + 1 - start, 1, span)  # keys in the unit
         return jnp.einsum("bkh,bknh->bkn", q_BxKxH, x["ksum"]) / count
     # sum_i max(q_i m_i, q_i M_i) with m <= M is sum_i (q_i > 0 ? q_i M_i : q_i m_i):

@@ -13,7 +13,7 @@ import dataclasses
 import jax
 
 IMPLS = ("auto", "xla", "pallas_tpu", "triton_gpu")
-POLICIES = ("distillsparse", "quest", "streaming")
+POLICIES = ("centroid", "quest", "streaming")
 
 
 _LOWERING_PLATFORM: list[str] = []  # set by lowering_for(): the platform traced for
@@ -68,7 +68,7 @@ class SparseSpec:
     every page; past that an approximation of it (docs/benchmarks.md).
     """
 
-    policy: str = "distillsparse"
+    policy: str = "centroid"
     budget: int = 32
     budget_schedule: tuple[tuple[int, int], ...] = ()
     sink_pages: int = 1

@@ -58,6 +58,7 @@ def apply_override(config, dotted: str, text) -> None:
 
 def load_config(path: str, overrides: dict | None = None):
     """get_config() of a config file with `overrides` ({"rl.learning_rate": "1e-4"})."""
+    from dsparse_jax.config import schema
     from dsparse_jax.config.validate import load_config as load_file
 
     if not path:
@@ -70,6 +71,8 @@ def load_config(path: str, overrides: dict | None = None):
         raise UserError(f"--config: cannot load {path!r}: {type(e).__name__}: {e}") from e
     for dotted, text in (overrides or {}).items():
         apply_override(config, dotted, text)
+    for note in schema.apply_renames(config):
+        print(note, file=sys.stderr)
     return config
 
 

@@ -213,7 +213,7 @@ def defaults() -> ml_collections.ConfigDict:
 
     # Block-sparse decode of the rollout policy (not dense mode). Page size: attention.
     c.sparse = ml_collections.ConfigDict()
-    c.sparse.policy = "distillsparse"  # distillsparse (centroids) | quest | streaming
+    c.sparse.policy = "centroid"  # centroid (page key means) | quest | streaming
     c.sparse.budget = 6  # KV pages read per step (sink and recent included)
     c.sparse.dense_layers = 2  # the first layers stay dense (global layers past are sparse)
     c.sparse.sink_pages = 1
@@ -304,11 +304,33 @@ def defaults() -> ml_collections.ConfigDict:
     return c
 
 
+# Values renamed since a config or a run's config.json could hold them: field -> {old: new}.
+RENAMED_VALUES = {"sparse.policy": {"distillsparse": "centroid"}}
+
+
+def apply_renames(c: ml_collections.ConfigDict) -> list[str]:
+    """Replaces renamed values with their new names; returns one note per replacement."""
+    notes = []
+    for field, renames in RENAMED_VALUES.items():
+        section, name = field.rsplit(".", 1)
+        holder = c
+        for part in section.split("."):
+            holder = holder.get(part) if holder is not None else None
+        if holder is not None and holder.get(name) in renames:
+            old = holder[name]
+            holder[name] = renames[old]
+            notes.append(f"note: {field}={old!r} is now called {renames[old]!r} (read as that)")
+    return notes
+
+
 def from_dict(values: dict) -> ml_collections.ConfigDict:
     """defaults() with the values of a dict (a run's config.json) set over them; keys the
-    schema does not declare are kept too, so validation names them."""
+    schema does not declare are kept too, so validation names them. Renamed values are read
+    under their new names (RENAMED_VALUES), silently: the run directory is not the user's
+    to edit."""
     c = defaults()
     _merge(c, values)
+    apply_renames(c)
     return c
 
 
