@@ -92,7 +92,7 @@ def defaults() -> ml_collections.ConfigDict:
     c.tokenizer.chat = True  # Gemma chat turns; generation stops at <end_of_turn>
 
     c.task = ml_collections.ConfigDict()
-    c.task.num_vars = 8  # lookups are learned in ~300 SFT steps at 8 (16: not by 400)
+    c.task.num_vars = 8  # variables defined per problem (the lookups' targets)
     c.task.num_terms = 8  # solution length knob: 8 tokens per term (single-letter names)
     c.task.name_digits = 0  # variable names: a letter + this many digits (0: a-z only)
     c.task.letters = 26  # name letters: 26 (a-z) | 52 (a-z, A-Z: single-token names)
@@ -128,7 +128,7 @@ def defaults() -> ml_collections.ConfigDict:
     c.sft.warmup_steps = 50
     c.sft.weight_decay = 0.0
     c.sft.max_grad_norm = 1.0
-    c.sft.eval_every = 10  # the lookups are learned abruptly (0.08 -> 0.73 in 20 steps)
+    c.sft.eval_every = 10  # held-out greedy evaluation (and the stop rule) every N steps
     c.sft.target_accuracy = 0.4  # stop once held-out greedy accuracy >= this
     c.sft.max_accuracy = 0.7  # a checkpoint above this leaves too little room for RL: warn
     c.sft.max_consecutive_skips = 5  # halt after this many non-finite steps in a row (0: off)
@@ -142,11 +142,10 @@ def defaults() -> ml_collections.ConfigDict:
     # + N tokens and double (a decode step then costs O(position); one compile per buffer,
     # peak 1.5x the cache at the last growth; sampling/sampler.py buffer_schedule).
     c.rl.grow_buffer_from = 0
-    c.rl.learning_rate = 1e-4  # 3e-4 collapsed distillsparse after ~10 steps (README Status)
+    c.rl.learning_rate = 1e-4  # theta's peak learning rate (Adam)
     # theta's schedule, in RL steps (each rl.minibatches optimizer steps; train/rl_state.py
     # optimizer_steps_per_rl_step): a linear warmup (a fraction allowed, rounded to whole
-    # optimizer steps; 2.5 = the 5 optimizer steps of every earlier result at
-    # rl.minibatches=2), then constant or a cosine decay to 10% at rl.num_steps.
+    # optimizer steps), then constant or a cosine decay to 10% at rl.num_steps.
     c.rl.warmup_steps = 2.5
     c.rl.schedule = "constant"  # constant | cosine
     c.rl.weight_decay = 0.0
@@ -184,8 +183,7 @@ def defaults() -> ml_collections.ConfigDict:
     c.rl.draft_head.warmup_steps = 100  # before RL step 1: steps on SFT solutions; 0: none
     # EAGLE-3's training-time test: also train draft steps 2..unroll on the head's own
     # unroll (its own output as the feature); 0 or 1: teacher-forced only; capped at
-    # rl.draft_tokens (the steps a draft has). 4 lifted draft positions 2-4 from 0.57 /
-    # 0.56 / 0.47 to 0.96 / 0.86 / 0.90 over 30 RL steps (docs/speculative.md).
+    # rl.draft_tokens (the steps a draft has); docs/speculative.md.
     c.rl.draft_head.unroll = 4
     c.rl.selection = "reward"  # top-n of the M by reward | acceptance (rate vs dense)
     c.rl.acceptance_C = 1.0  # Bernoulli test probability min(1, p_dense / (C p_sparse))
@@ -246,7 +244,7 @@ def defaults() -> ml_collections.ConfigDict:
     # k1 | k2 | k3 (sampled; which divergence's gradient each follows depends on whose
     # samples the rollout holds: rl/modes.DISTILL_KL) | exact_reverse | exact_forward | tv
     c.distill.kl = "auto"
-    c.distill.kl_coef = 1.0  # lambda (reference: 1e-3, which collapsed theta here; README)
+    c.distill.kl_coef = 1.0  # lambda (the paper's: 1e-3)
     # phi trains on every row_stride-th kept row (1: all): P * n / row_stride rows, split
     # into rl.minibatches x rl.microbatches like theta's batch.
     c.distill.row_stride = 1
