@@ -16,26 +16,12 @@ import numpy as np
 from flax import nnx
 
 from dsparse_jax.attention.spec import AttentionSpec
-from dsparse_jax.data import batches, rewards
+from dsparse_jax.data import rewards
 from dsparse_jax.data.math_task import ChainTaskConfig, Problem
 from dsparse_jax.data.tokenizer import Tokenizer
 from dsparse_jax.model import quality_head
-from dsparse_jax.sampling.sampler import Sampler, SamplingConfig, completion_view
-
-
-def decode_completions(tok: Tokenizer, rollout) -> list[str]:
-    return [tok.decode(row) for row in completion_view(rollout, tok.pad_id)]
-
-
-def score(
-    tok: Tokenizer, rollout, problems: list[Problem], rewarder: rewards.Rewarder, where: str = ""
-) -> tuple[rewards.Scored, list[str]]:
-    """Rewards of a rollout whose rows are `problems` repeated samples_per_prompt times,
-    and the completions' text."""
-    texts = decode_completions(tok, rollout)
-    reps = len(texts) // len(problems)
-    rows = [p for p in problems for _ in range(reps)]
-    return rewarder.score(rows, texts, where), texts
+from dsparse_jax.sampling.sampler import Sampler, SamplingConfig
+from dsparse_jax.train import rollouts
 
 
 class Evaluator:
@@ -55,11 +41,10 @@ class Evaluator:
         batch_size: int = 64,
         rewarder: rewards.Rewarder | None = None,
     ):
-        self.sampler, self.tok, self.problems, self.spec = sampler, tok, problems, spec
+        self.sampler, self.tok, self.task, self.problems = sampler, tok, task, problems
+        self.spec = spec
         self.rewarder = rewarder or rewards.Rewarder()
         self.batch_size = min(batch_size, len(problems))
-        self.max_new = batches.completion_budget(task)
-        self.prompt_width = batches.prompt_buffer(task)
 
     def num_batches(self) -> int:
         return -(-len(self.problems) // self.batch_size)
@@ -83,16 +68,23 @@ class Evaluator:
         for start in range(0, len(self.problems), self.batch_size):
             chunk = self.problems[start : start + self.batch_size]
             pad = self.batch_size - len(chunk)  # keep one static batch shape
-            prompts, lengths = batches.encode_prompts(
-                self.tok, chunk + chunk[:1] * pad, self.prompt_width
-            )
             key, sub = jax.random.split(key)
-            rollout = self.sampler(params, prompts, lengths, sub, cfg, spec, lora, lora_scale)
-            scored, t = score(self.tok, rollout, chunk + chunk[:1] * pad, self.rewarder, "eval")
+            rolled = rollouts.roll_out(
+                self,
+                params,
+                chunk + chunk[:1] * pad,
+                sub,
+                cfg,
+                spec,
+                lora,
+                lora_scale,
+                where="eval",
+            )
+            t = rolled.texts
             k = len(t) // (len(chunk) + pad)
-            reward_rows.append(scored.rewards.reshape(len(chunk) + pad, k)[: len(chunk)])
+            reward_rows.append(rolled.scored.rewards.reshape(len(chunk) + pad, k)[: len(chunk)])
             if weigh is not None:
-                w = np.asarray(weigh(rollout)).reshape(len(chunk) + pad, k)
+                w = np.asarray(weigh(rolled.rollout)).reshape(len(chunk) + pad, k)
                 weight_rows.append(w[: len(chunk)])
             texts += [t[i * k : (i + 1) * k] for i in range(len(chunk))]
             if on_batch is not None:
@@ -106,13 +98,7 @@ class Evaluator:
         return float(np.mean(rewards.is_correct(r)))
 
     def sampling_config(self, temperature: float, k: int = 1) -> SamplingConfig:
-        return SamplingConfig(
-            max_new_tokens=self.max_new,
-            eos_id=self.tok.eos_id,
-            pad_id=self.tok.pad_id,
-            temperature=temperature,
-            samples_per_prompt=k,
-        )
+        return rollouts.sampling_config(self, temperature, k)
 
     def report(
         self,
