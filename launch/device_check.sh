@@ -10,12 +10,13 @@
 # ml-collections: what the H200 image lacks; its jax 0.11, flax, optax, orbax, triton
 # are used as they are; launch/fetch_device_wheels.sh downloads them); env (20); tests
 # (90) the GPU-only tests (jax-triton kernel vs
-# the reference, sm_90 compile); kernels (120) bench_kernels at 32k (first: the target's
-# context), 4k, 16k and 128k x budgets 16/32/64 pages (device time per call from chains of
-# 8 dependent calls; GB/s vs HBM peak, sparse vs dense decode); rollout (160)
-# bench_rollout on a random Gemma-3-1B-shaped model in bf16 (decode steps at 4k and 16k,
-# dense vs distillsparse, impl auto = the Triton kernel); speculative (100)
-# bench_speculative on the same model shape in bf16 (plain sampling against the
+# the reference, sm_90 compile); kernels (120) dsparse_jax.bench.kernels at 32k (first: the
+# target's context), 4k, 16k and 128k x budgets 16/32/64 pages (device time per call from
+# chains of 8 dependent calls; GB/s vs HBM peak, sparse vs dense decode; impl auto = the
+# kernel the model runs); rollout (160) dsparse_jax.bench.rollout on a random
+# Gemma-3-1B-shaped model in bf16 (decode steps at 4k and 16k, dense vs distillsparse,
+# impl auto = the Triton kernel); speculative (100) dsparse_jax.bench.speculative on the
+# same model shape in bf16 (plain sampling against the
 # sparse_self, history and draft_head drafters, 256 tokens, B = 16). Sum of the limits:
 # 520 s.
 #
@@ -83,31 +84,31 @@ open(sys.argv[1], "w").write(env + "\n")' "$OUT/env.json"
 if [ $DRY = 1 ]; then
     TESTS=(tests/test_kernels.py::test_dispatch_resolution_and_errors)
     TEST_PLATFORMS=cpu
-    KARGS=(--contexts 4096 --budgets 16 --force_cpu_timing --batch 1 --kv_heads 1 --reps 2 --warmup 1
-        --chain 2 --dtype float32)
-    RARGS=(--preset tiny --dtype float32 --configs dense,distillsparse:0 --skip_throughput
-        --step_contexts 1024 --step_rounds 1 --step_reps 2 --floor_step 0)
-    SARGS=(--quick --head_steps 5)
+    KARGS=(--contexts=4096 --budgets=16 --force_cpu_timing --impl=pallas_tpu --batch=1
+        --kv_heads=1 --reps=2 --warmup=1 --chain=2 --dtype=float32)
+    RARGS=(--preset=tiny --dtype=float32 --configs=dense,distillsparse:0 --skip_throughput
+        --step_contexts=1024 --step_rounds=1 --step_reps=2 --floor_step=0)
+    SARGS=(--quick --head_steps=5)
 else
     TESTS=(tests/test_kernels.py tests/test_triton_compile.py -k "triton and not interpreter")
     TEST_PLATFORMS=cuda # tests/conftest.py defaults to cpu, which skips the GPU tests
-    KARGS=(--contexts 32768,4096,16384,131072 --budgets 16,32,64 --reps 10 --warmup 2 --chain 8)
-    RARGS=(--preset gemma3_1b --dtype bfloat16 --impl auto --configs dense,distillsparse:0
-        --batch 16 --skip_throughput --step_contexts 4096,16384 --step_rounds 3
-        --step_reps 10 --budget 32)
-    SARGS=(--preset gemma3_1b --dtype bfloat16 --impl auto --gen 256 --batch 16 --samples 4
-        --budget 32 --head_rows 8 --head_steps 50)
+    KARGS=(--contexts=32768,4096,16384,131072 --budgets=16,32,64 --reps=10 --warmup=2 --chain=8)
+    RARGS=(--preset=gemma3_1b --dtype=bfloat16 --impl=auto --configs=dense,distillsparse:0
+        --batch=16 --skip_throughput --step_contexts=4096,16384 --step_rounds=3
+        --step_reps=10 --budget=32)
+    SARGS=(--preset=gemma3_1b --dtype=bfloat16 --impl=auto --gen=256 --batch=16 --samples=4
+        --budget=32 --head_rows=8 --head_steps=50)
 fi
 
 stage tests 90 env JAX_PLATFORMS=$TEST_PLATFORMS "$PY" -m pytest -q -p no:cacheprovider -rs "${TESTS[@]}"
-stage kernels 120 "$PY" launch/bench_kernels.py "${KARGS[@]}" \
-    --out "$OUT/bench_kernels.json"
-stage rollout 160 "$PY" launch/bench_rollout.py "${RARGS[@]}" \
-    --out "$OUT/bench_rollout.json"
+stage kernels 120 "$PY" -m dsparse_jax.bench.kernels "${KARGS[@]}" \
+    --out="$OUT/bench_kernels.json"
+stage rollout 160 "$PY" -m dsparse_jax.bench.rollout "${RARGS[@]}" \
+    --out="$OUT/bench_rollout.json"
 [ -f "$OUT/bench_rollout.json.partial" ] && [ ! -f "$OUT/bench_rollout.json" ] &&
     mv "$OUT/bench_rollout.json.partial" "$OUT/bench_rollout.json"
-stage speculative 100 "$PY" launch/bench_speculative.py "${SARGS[@]}" \
-    --out "$OUT/bench_speculative.json"
+stage speculative 100 "$PY" -m dsparse_jax.bench.speculative "${SARGS[@]}" \
+    --out="$OUT/bench_speculative.json"
 
 rm -f "$STAGE_LOG"
 echo "== stages"

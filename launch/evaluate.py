@@ -18,11 +18,8 @@ quality head's P(correct) (docs/pruning.md).
 
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from dsparse_jax.config import cli  # noqa: E402
+from dsparse_jax.config import cli
 
 DEFAULT_CONFIG = "configs/gemma_math.py"
 

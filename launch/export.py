@@ -24,9 +24,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from dsparse_jax.config import cli  # noqa: E402
+from dsparse_jax.config import cli
 
 ADAPTER_DIR = "phi_adapter"
 DRAFT_HEAD_DIR = "draft_head"

@@ -11,11 +11,8 @@ prints one line `error: ...` and exits with status 2; --verbose adds the traceba
 """
 
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from dsparse_jax.config import cli  # noqa: E402
+from dsparse_jax.config import cli
 
 DEFAULT_CONFIG = "configs/gemma_math.py"
 

@@ -1,6 +1,6 @@
-"""The rollout benchmark (launch/bench_rollout.py) runs end to end at toy sizes and reports
+"""The rollout benchmark (bench/rollout.py) runs end to end at toy sizes and reports
 what it measured: every part, the growing-cache rows, the ratios and the targets; so does
-launch/bench_gather_slices.py, and the prepared device check (launch/device_check.sh) runs
+bench/gather_slices.py, and the prepared device check (launch/device_check.sh) runs
 every stage in its CPU dry run. Timings are not checked (benchmarks are not timed tests);
 the structure and the invariants the script itself relies on are."""
 
@@ -10,14 +10,14 @@ import subprocess
 import sys
 
 import pytest
-from model_utils import load_launch
+
+from dsparse_jax.bench import gather_slices, kernels, rollout
 
 
 @pytest.mark.slow  # ~10 sampler / step / forward compiles of the tiny preset
 def test_bench_rollout_reports_every_part(tmp_path, capsys):
-    bench = load_launch("bench_rollout")
     out = tmp_path / "bench.json"
-    bench.main(
+    rollout.main(
         [
             "--batch=2",
             "--prompt_len=8",
@@ -77,7 +77,7 @@ def test_bench_rollout_reports_every_part(tmp_path, capsys):
 
 def test_bench_rollout_config_names():
     """ "<policy>:<dense_layers>[:g<G>c<C>]" names parse to the spec they describe."""
-    spec_for = load_launch("bench_rollout").spec_for
+    spec_for = rollout.spec_for
     assert spec_for("dense", 32, 16).sparse is None
     sp = spec_for("quest:2", 32, 16).sparse
     assert (sp.policy, sp.dense_layers, sp.group_pages) == ("quest", 2, 0)
@@ -86,9 +86,8 @@ def test_bench_rollout_config_names():
 
 
 def test_bench_gather_slices_reports_every_pair(tmp_path):
-    bench = load_launch("bench_gather_slices")
     out = tmp_path / "slices.json"
-    bench.main(
+    gather_slices.main(
         [
             "--contexts=64",
             "--configs=centroid:0",
@@ -137,17 +136,16 @@ def test_device_check_dry_run_runs_every_stage(tmp_path):
 def test_bench_kernels_chain_runs_dependent_calls_on_their_own_pages():
     import jax.numpy as jnp
 
-    bench = load_launch("bench_kernels")
     q = jnp.ones((1, 2, 4), jnp.float32)
     ids_NxBxKxP = jnp.arange(3 * 2, dtype=jnp.int32).reshape(3, 1, 1, 2)  # sums 1, 5, 9
 
     def fn(q, k, v, pos, ids):  # the output depends on the query and on this call's pages
         return 2.0 * q + ids.sum()
 
-    got = bench.chained(fn, 3)(q, None, None, None, ids_NxBxKxP)
+    got = kernels.chained(fn, 3)(q, None, None, None, ids_NxBxKxP)
     want = q
     for s in (1.0, 5.0, 9.0):
         want = want + 1e-3 * (2.0 * want + s)
     assert jnp.allclose(got, want, rtol=0, atol=1e-7)
-    dense = bench.chained(lambda q, k, v, pos: q + k, 2)(q, q, None, None, None)
+    dense = kernels.chained(lambda q, k, v, pos: q + k, 2)(q, q, None, None, None)
     assert jnp.allclose(dense, (q + 2e-3 * q) + 1e-3 * ((q + 2e-3 * q) + q))

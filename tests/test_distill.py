@@ -314,7 +314,7 @@ def test_mismatch_metrics_against_numpy():
 def test_plots_from_metrics_jsonl(tmp_path):
     import json as _json
 
-    from dsparse_jax.report import plots
+    from dsparse_jax.harness import plots
 
     runs = []
     for label, kl in (("dense", 0.0), ("distillsparse", 0.05)):

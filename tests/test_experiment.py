@@ -1,4 +1,4 @@
-"""The experiment harness (launch/experiment.py, launch/results.py): a tiny end-to-end
+"""The experiment harness (harness/experiment.py, harness/results.py): a tiny end-to-end
 sweep of two variants from one shared SFT warm start, its resume (a finished run is
 skipped, an unfinished one resumes from its checkpoint) and the generated report."""
 
@@ -9,9 +9,10 @@ import sys
 
 import numpy as np
 import pytest
-from model_utils import load_launch
 
 from dsparse_jax.errors import UserError
+from dsparse_jax.harness import experiment as ex
+from dsparse_jax.harness import results as res
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
@@ -39,7 +40,7 @@ TINY = [
 
 
 def _experiment(*args):
-    cmd = [sys.executable, os.path.join(ROOT, "launch", "experiment.py"), *args]
+    cmd = [sys.executable, "-m", "dsparse_jax.harness.experiment", *args]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
 
@@ -50,7 +51,6 @@ def _steps(workdir, phase):
 
 
 def test_plan_variants_and_overrides():
-    ex = load_launch("experiment")
     assert ex.resolve_variants("dense,sparse+tis,distillsparse+M=2n", False) == [
         "dense",
         "sparse_tis",
@@ -76,13 +76,13 @@ def test_plan_variants_and_overrides():
     assert ex.run_overrides(cfg, {}, "sparse_mis", 0)["rl.is_correction"] == "mis"
 
     class A:
-        quick, set, steps = True, ["rl.learning_rate=1e-4"], 5
+        quick, overrides, steps = True, {"rl.learning_rate": "1e-4"}, 5
 
     common = ex.common_overrides(A)
     assert common["rl.num_steps"] == 5 and common["rl.learning_rate"] == "1e-4"
     assert common["sparse.budget"] == ex.QUICK["sparse.budget"]
     assert common["eval.every"] == ex.QUICK["eval.every"]
-    A.set = ["rl.rollout_mode=dense"]  # defines the variants: refused
+    A.overrides = {"rl.rollout_mode": "dense"}  # defines the variants: refused
     with pytest.raises(UserError):
         ex.common_overrides(A)
 
@@ -90,7 +90,7 @@ def test_plan_variants_and_overrides():
 @pytest.mark.slow
 def test_tiny_experiment_resumes_and_reports(tmp_path):
     exp = str(tmp_path / "exp")
-    sets = [a for s in TINY for a in ("--set", s)]
+    sets = [f"--config.{s}" for s in TINY]
     args = [
         "run",
         f"--expdir={exp}",
@@ -129,9 +129,9 @@ def test_tiny_experiment_resumes_and_reports(tmp_path):
     assert _steps(os.path.join(exp, "distillsparse_s0"), "rl") == [1, 2]
 
     # Other settings in the same expdir are refused, not mixed.
-    bad = _experiment(*args, "--set", "rl.learning_rate=1e-5", "--dry_run")
+    bad = _experiment(*args, "--config.rl.learning_rate=1e-5", "--dry_run")
     assert bad.returncode == 0  # --dry_run only lists
-    bad = _experiment(*args, "--set", "rl.learning_rate=1e-5")
+    bad = _experiment(*args, "--config.rl.learning_rate=1e-5")
     assert bad.returncode != 0 and "other settings" in bad.stdout + bad.stderr
 
     # Sparsity sweep on the shared warm start (reused, not retrained): one budget.
@@ -150,7 +150,6 @@ def test_tiny_experiment_resumes_and_reports(tmp_path):
     assert rep.returncode == 0, rep.stdout[-3000:] + rep.stderr[-3000:]
     with open(out) as f:
         text = f.read()
-    results = load_launch("results")
     table = [l for l in text.splitlines() if l.startswith("| ") and "(`" in l]
     assert any("(`dense`)" in l for l in table) and any("(`distillsparse`)" in l for l in table)
     row = next(l for l in table if "(`distillsparse`)" in l).split("|")
@@ -168,19 +167,18 @@ def test_tiny_experiment_resumes_and_reports(tmp_path):
     ):
         assert os.path.getsize(os.path.join(tmp_path, "docs", "results", png)) > 0
         assert f"results/{png}" in text
-    edited = text.replace(results.PLACEHOLDER, "Claim 1 held: KL 0.1.")
+    edited = text.replace(res.PLACEHOLDER, "Claim 1 held: KL 0.1.")
     with open(out, "w") as f:
         f.write(edited)
-    results.write_report(exp, out)
+    res.write_report(exp, out)
     with open(out) as f:
         again = f.read()
-    assert "Claim 1 held: KL 0.1." in again and results.PLACEHOLDER not in again
+    assert "Claim 1 held: KL 0.1." in again and res.PLACEHOLDER not in again
 
 
 def test_bootstrap_interval_over_seeds_and_problems():
     """The interval resamples problems too (one seed of 400 fair coins: the binomial
     interval, +-1.96 sqrt(p (1 - p) / P)) and seeds (seeds that disagree widen it)."""
-    res = load_launch("results")
     coins = np.random.default_rng(0).integers(0, 2, (1, 400))
     lo, hi = res.bootstrap_interval(coins)
     half = 1.96 * np.sqrt(0.25 / 400)

@@ -66,6 +66,8 @@ class SparseSpec:
     the budget is filled from the pages of the candidate_groups best groups (those holding
     reserved pages among them). Equal to the flat selection while the candidates cover
     every page; past that an approximation of it (docs/benchmarks.md).
+    gather_slices: the XLA decode step's page gather in this many independent slices (None:
+    attention/sparse.py's GATHER_SLICES); the same values either way.
     """
 
     policy: str = "centroid"
@@ -76,6 +78,7 @@ class SparseSpec:
     dense_layers: int = 2
     group_pages: int = 0
     candidate_groups: int = 16
+    gather_slices: int | None = None
 
     def __post_init__(self):
         if self.policy not in POLICIES:

@@ -1,5 +1,6 @@
-"""Command lines of launch/: a config from `--config=FILE` plus `--config.a.b=VALUE`
-overrides, and the error convention every command follows.
+"""Command lines of launch/, dsparse_jax.harness and dsparse_jax.bench: a config from
+`--config=FILE` plus `--config.a.b=VALUE` overrides, `--flag=value` arguments, and the
+error convention every command follows.
 
 A user error (errors.UserError: an unknown key, a bad value, a missing or unreadable file,
 an unusable workdir, an incompatible checkpoint, a bad mesh, a bad flag) prints one line
@@ -90,6 +91,27 @@ def split_config_args(argv: list[str]) -> tuple[str | None, dict, list[str]]:
         else:
             rest.append(arg)
     return path, overrides, rest
+
+
+def comma_list(kind=str):
+    """An argparse type: "4,8,16" -> [4, 8, 16] (items of `kind`, empty ones dropped)."""
+
+    def parse(text: str) -> list:
+        try:
+            return [kind(x.strip()) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a comma list of {kind.__name__}, got {text!r}"
+            ) from None
+
+    return parse
+
+
+def boolean(text: str) -> bool:
+    """An argparse type: true / false (1 / 0, yes / no, on / off)."""
+    if text.strip().lower() not in _TRUE + _FALSE:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.strip().lower() in _TRUE
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -109,7 +109,14 @@ def sparse_decode(
             q_BxNxH, k_BxKxSxH, v_BxKxSxH, pos_B, page_ids_BxKxP, layer, spec.page_size
         )
     return sparse.sparse_decode_attention(
-        q_BxNxH, k_BxKxSxH, v_BxKxSxH, pos_B, page_ids_BxKxP, layer, spec.page_size
+        q_BxNxH,
+        k_BxKxSxH,
+        v_BxKxSxH,
+        pos_B,
+        page_ids_BxKxP,
+        layer,
+        spec.page_size,
+        spec.sparse.gather_slices,
     )
 
 

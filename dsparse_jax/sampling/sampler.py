@@ -216,7 +216,20 @@ class Sampler:
         self.graphdef = graphdef
         self._jitted = jax.jit(self._sample, static_argnames=("cfg", "spec", "lora_scale", "prune"))
 
-    def __call__(
+    def __call__(self, *args, **kwargs):
+        """sampler(state, prompts_BxL, prompt_lengths_B, key, cfg, spec, lora, lora_scale,
+        forced_BxS, prune, head) (`_bind`): a Rollout with B * samples_per_prompt rows (a
+        prompt's samples contiguous)."""
+        args, kwargs = self._bind(*args, **kwargs)
+        return self._jitted(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        """jax's Lowered of the call with these arguments: `.compile()` compiles it ahead of
+        time (the call then reuses the executable)."""
+        args, kwargs = self._bind(*args, **kwargs)
+        return self._jitted.lower(*args, **kwargs)
+
+    def _bind(
         self,
         state,
         prompts_BxL,
@@ -230,7 +243,8 @@ class Sampler:
         prune: pruning.PruneConfig | None = None,
         head=None,
     ):
-        """Returns a Rollout with B * samples_per_prompt rows (a prompt's samples contiguous).
+        """The jitted function's (args, kwargs) of a call: a Rollout with B *
+        samples_per_prompt rows (a prompt's samples contiguous).
 
         Row r's samples depend only on (key, r): each row draws from its own stream
         fold_in(fold_in(key, r), step), whatever its batch neighbours are.
@@ -258,7 +272,7 @@ class Sampler:
             prune.check(cfg.samples_per_prompt)
             if prune.positions[-1] >= cfg.max_new_tokens:
                 raise ValueError("PruneConfig.positions must be < max_new_tokens")
-        return self._jitted(
+        args = (
             state,
             jnp.asarray(prompts_BxL, jnp.int32),
             lengths,
@@ -266,11 +280,8 @@ class Sampler:
             lora,
             None if forced_BxS is None else jnp.asarray(forced_BxS, jnp.int32),
             head,
-            cfg=cfg,
-            spec=spec,
-            lora_scale=lora_scale,
-            prune=prune,
         )
+        return args, dict(cfg=cfg, spec=spec, lora_scale=lora_scale, prune=prune)
 
     def _sample(
         self,

@@ -304,7 +304,20 @@ class SpeculativeSampler:
             ),
         )
 
-    def __call__(
+    def __call__(self, *args, **kwargs):
+        """sampler(state, prompts_BxL, prompt_lengths_B, key, cfg, spec_cfg, draft_spec,
+        lora, lora_scale, history, return_cache, head) (`_bind`): (Rollout of B *
+        samples_per_prompt rows, SpecStats[, the final KV cache when return_cache])."""
+        args, kwargs = self._bind(*args, **kwargs)
+        return self._jitted(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        """jax's Lowered of the call with these arguments: `.compile()` compiles it ahead of
+        time (the call then reuses the executable)."""
+        args, kwargs = self._bind(*args, **kwargs)
+        return self._jitted.lower(*args, **kwargs)
+
+    def _bind(
         self,
         state,
         prompts_BxL,
@@ -319,8 +332,9 @@ class SpeculativeSampler:
         return_cache: bool = False,
         head=None,
     ):
-        """(Rollout of B * samples_per_prompt rows, SpecStats[, the final KV cache when
-        return_cache]). draft_spec: the sparse drafter's attention (its page_size is the
+        """The jitted function's (args, kwargs) of a call: (Rollout of B *
+        samples_per_prompt rows, SpecStats[, the final KV cache when return_cache]).
+        draft_spec: the sparse drafter's attention (its page_size is the
         cache's); lora: phi, for sparse_self; history: bank rows of the batch's prompts
         [P, H, S], for history (optional); head: (graphdef, state) of the learned draft
         head (model/draft_head.py), for draft_head."""
@@ -335,14 +349,8 @@ class SpeculativeSampler:
         s = buffer_length(prompts_BxL.shape[1], cfg.max_new_tokens, draft_spec.page_size)
         if history is not None and history.tokens.shape[::2] != (lengths.shape[0], s):
             raise ValueError(f"history tokens must be [P={lengths.shape[0]}, H, S={s}]")
-        return self._jitted(
-            state,
-            jnp.asarray(prompts_BxL, jnp.int32),
-            lengths,
-            key,
-            lora,
-            history,
-            head_state,
+        args = (state, jnp.asarray(prompts_BxL, jnp.int32), lengths, key, lora, history, head_state)
+        return args, dict(
             cfg=cfg,
             spec_cfg=spec_cfg,
             draft_spec=draft_spec,

@@ -16,28 +16,13 @@ import numpy as np
 from flax import nnx
 
 from dsparse_jax.attention.spec import AttentionSpec
-from dsparse_jax.data import batches
 from dsparse_jax.data.rewards import graders
-from dsparse_jax.data.rewards.rewarder import Rewarder, Scored
+from dsparse_jax.data.rewards.rewarder import Rewarder
 from dsparse_jax.data.task import Problem, Task
 from dsparse_jax.data.tokenizers.base import Tokenizer
 from dsparse_jax.model import quality_head
-from dsparse_jax.sampling.sampler import Sampler, SamplingConfig, completion_view
-
-
-def decode_completions(tok: Tokenizer, rollout) -> list[str]:
-    return [tok.decode(row) for row in completion_view(rollout, tok.pad_id)]
-
-
-def score(
-    tok: Tokenizer, rollout, problems: list[Problem], rewarder: Rewarder, where: str = ""
-) -> tuple[Scored, list[str]]:
-    """Rewards of a rollout whose rows are `problems` repeated samples_per_prompt times,
-    and the completions' text."""
-    texts = decode_completions(tok, rollout)
-    reps = len(texts) // len(problems)
-    rows = [p for p in problems for _ in range(reps)]
-    return rewarder.score(rows, texts, where), texts
+from dsparse_jax.sampling.sampler import Sampler, SamplingConfig
+from dsparse_jax.train import rollouts
 
 
 class Evaluator:
@@ -57,11 +42,10 @@ class Evaluator:
         batch_size: int = 64,
         rewarder: Rewarder | None = None,
     ):
-        self.sampler, self.tok, self.problems, self.spec = sampler, tok, problems, spec
+        self.sampler, self.tok, self.task, self.problems = sampler, tok, task, problems
+        self.spec = spec
         self.rewarder = rewarder or Rewarder()
         self.batch_size = min(batch_size, len(problems))
-        self.max_new = task.completion_budget()
-        self.prompt_width = task.prompt_buffer()
 
     def num_batches(self) -> int:
         return -(-len(self.problems) // self.batch_size)
@@ -85,16 +69,23 @@ class Evaluator:
         for start in range(0, len(self.problems), self.batch_size):
             chunk = self.problems[start : start + self.batch_size]
             pad = self.batch_size - len(chunk)  # keep one static batch shape
-            prompts, lengths = batches.encode_prompts(
-                self.tok, chunk + chunk[:1] * pad, self.prompt_width
-            )
             key, sub = jax.random.split(key)
-            rollout = self.sampler(params, prompts, lengths, sub, cfg, spec, lora, lora_scale)
-            scored, t = score(self.tok, rollout, chunk + chunk[:1] * pad, self.rewarder, "eval")
+            rolled = rollouts.roll_out(
+                self,
+                params,
+                chunk + chunk[:1] * pad,
+                sub,
+                cfg,
+                spec,
+                lora,
+                lora_scale,
+                where="eval",
+            )
+            t = rolled.texts
             k = len(t) // (len(chunk) + pad)
-            reward_rows.append(scored.rewards.reshape(len(chunk) + pad, k)[: len(chunk)])
+            reward_rows.append(rolled.scored.rewards.reshape(len(chunk) + pad, k)[: len(chunk)])
             if weigh is not None:
-                w = np.asarray(weigh(rollout)).reshape(len(chunk) + pad, k)
+                w = np.asarray(weigh(rolled.rollout)).reshape(len(chunk) + pad, k)
                 weight_rows.append(w[: len(chunk)])
             texts += [t[i * k : (i + 1) * k] for i in range(len(chunk))]
             if on_batch is not None:
@@ -108,13 +99,7 @@ class Evaluator:
         return float(np.mean(graders.is_correct(r)))
 
     def sampling_config(self, temperature: float, k: int = 1) -> SamplingConfig:
-        return SamplingConfig(
-            max_new_tokens=self.max_new,
-            eos_id=self.tok.eos_id,
-            pad_id=self.tok.pad_id,
-            temperature=temperature,
-            samples_per_prompt=k,
-        )
+        return rollouts.sampling_config(self, temperature, k)
 
     def report(
         self,

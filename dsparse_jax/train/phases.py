@@ -38,14 +38,14 @@ from dsparse_jax.rl import corrections, filtering, modes, pruning_metrics
 from dsparse_jax.rl.advantages import grpo_advantages
 from dsparse_jax.rl.losses import combine_metrics
 from dsparse_jax.sampling.history import prompt_key
-from dsparse_jax.sampling.sampler import PruneRecord, Rollout, SamplingConfig, buffer_length
+from dsparse_jax.sampling.sampler import PruneRecord, Rollout, buffer_length
 from dsparse_jax.sampling.speculative import acceptance_summary
-from dsparse_jax.train import distill, quality
+from dsparse_jax.train import distill, quality, rollouts
 from dsparse_jax.train import draft_head as draft_head_train
 from dsparse_jax.train.context import RunContext
-from dsparse_jax.train.evaluation import score as grade
 from dsparse_jax.train.grpo import grpo_update, recompute_logprobs
 from dsparse_jax.train.rl_state import RL_DATA_OFFSET, RLSetup, TrainState
+from dsparse_jax.train.rollouts import score as grade
 
 
 class PhaseLog:
@@ -267,14 +267,7 @@ def rollout(
     prompts, lengths = batches.encode_prompts(ctx.tok, batch_problems, ctx.task.prompt_buffer())
     if plan is not None:  # one global batch-sharded array from every process's rows
         prompts, lengths = plan.global_batch(prompts), plan.global_batch(lengths)
-    scfg = SamplingConfig(
-        max_new_tokens=ctx.task.completion_budget(),
-        eos_id=ctx.tok.eos_id,
-        pad_id=ctx.tok.pad_id,
-        temperature=c.temperature,
-        samples_per_prompt=setup.m,
-        grow_buffer_from=c.grow_buffer_from,
-    )
+    scfg = rollouts.sampling_config(ctx, c.temperature, setup.m, c.grow_buffer_from)
     if setup.speculative is not None:
         r, metrics = _speculative_rollout(ctx, setup, st, key, prompts, lengths, scfg)
         return Generated(batch_problems, r), metrics

@@ -108,7 +108,7 @@ def evaluate(
     """The dense policy (theta, dense attention), and in sparse modes the rollout policy's
     greedy accuracy too (sparse_greedy_accuracy: sparse attention, + phi in distillsparse).
     The record also lists each problem's greedy outcome (greedy_correct[, sparse_...]: 0/1
-    per eval problem, in order), for intervals over problems (launch/results.py)."""
+    per eval problem, in order), for intervals over problems (harness/results.py)."""
     e = ctx.config.eval
     t0 = time.time()
     correct = ctx.evaluator.greedy_correct(st.params)

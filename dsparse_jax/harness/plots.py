@@ -2,7 +2,7 @@
 acceptance per completion-position bin. One or several runs (e.g. one per rollout mode)
 per figure.
 
-  python -m dsparse_jax.report.plots runs/dense runs/distillsparse --out figures/
+  python -m dsparse_jax.harness.plots --workdirs=runs/dense,runs/distillsparse --out=figures/
 
 Figures (PNG): reward.png (reward, kept reward, response length, held-out accuracy of
 the dense and the sparse policy vs step), mismatch.png (exact and k3 KL(sparse || dense),
@@ -13,7 +13,6 @@ the last third of training: KL, and the 5th percentile and mean of acceptance al
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -24,6 +23,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from dsparse_jax.config import cli  # noqa: E402
 from dsparse_jax.report.metrics import read_metrics  # noqa: E402
 
 _BIN = re.compile(r"^(.*)_bin(\d+)$")
@@ -190,22 +190,8 @@ def plot_runs(workdirs: list[str], out_dir: str) -> list[str]:
     return written
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("workdirs", nargs="+", help="run directories (with metrics.jsonl)")
-    p.add_argument("--out", default=None, help="output folder (default <first run>/figures)")
-    a = p.parse_args(argv)
-    out = a.out or os.path.join(a.workdirs[0], "figures")
-    for path in plot_runs(a.workdirs, out):
-        print(path)
-
-
-if __name__ == "__main__":
-    main()
-
-
-# ------------------------------------------------------------------ experiment helpers
-# (launch/experiment.py / launch/results.py: figures of a multi-run experiment)
+# --------------------------------------------------------------- experiment figures
+# (harness/results.py: figures of a multi-run experiment)
 def plot_bins(workdirs: list[str], out_dir: str, labels: list[str] | None = None) -> list[str]:
     """kl_bins.png and alpha_bins.png (early vs late per completion-position bin) of only
     these runs, e.g. naive sparse vs DistillSparse. Returns the paths written."""
@@ -360,3 +346,24 @@ def plot_curves(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def main(argv: list[str]) -> int:
+    p = cli.ArgumentParser(
+        prog="python -m dsparse_jax.harness.plots", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "--workdirs", type=cli.comma_list(), required=True, help="run directories, comma list"
+    )
+    p.add_argument("--out", default=None, help="output folder (default <first run>/figures)")
+    a = p.parse_args(argv)
+    if not a.workdirs:
+        p.error("--workdirs: give at least one run directory")
+    out = a.out or os.path.join(a.workdirs[0], "figures")
+    for path in plot_runs(a.workdirs, out):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,6 +1,6 @@
 """The experiment's variants: a rollout mode (rl/modes.py) plus the settings that make it
 a method of the paper's comparison (an off-policy correction, oversampling). One table,
-read by launch/experiment.py (which runs them) and launch/results.py (which reports
+read by harness/experiment.py (which runs them) and harness/results.py (which reports
 them). Imports no jax: the experiment's parent process stays light.
 
 Every variant sets the three fields that define it, so a variant means the same thing

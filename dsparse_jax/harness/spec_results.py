@@ -4,31 +4,29 @@ draft position in windows of steps, the staleness check (the last window against
 window around step 10: below 80% counts as stale), rollout tokens/s, and for draft_head
 the head's loss, KL and top-1 agreement. Read from the runs' metrics.jsonl.
 
-  python launch/spec_results.py runs/spec/sparse_self runs/spec/history runs/spec/draft_head
+  python -m dsparse_jax.harness.spec_results \\
+      --workdirs=runs/spec/sparse_self,runs/spec/history,runs/spec/draft_head
 
 JSON to stdout (--out also writes it), a markdown table to stderr.
 """
 
-import argparse
 import json
 import os
 import sys
 
 import numpy as np
 
+from dsparse_jax.config import cli
+from dsparse_jax.errors import UserError
+from dsparse_jax.report.metrics import read_metrics
+
 WINDOWS = ((1, 5), (6, 15), (16, 35), (36, 65), (66, 100))  # inclusive RL steps
 STALE = 0.8  # the last window below this fraction of the step-10 window: stale
 
 
 def read(workdir: str) -> tuple[list[dict], list[dict], dict]:
-    rl, ev, config = [], [], {}
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        for line in f:
-            r = json.loads(line)
-            if r.get("phase") == "rl":
-                rl.append(r)
-            elif r.get("phase") == "eval":
-                ev.append(r)
+    """(rl records, eval records, config) of a run."""
+    rl, ev, config = read_metrics(workdir, "rl"), read_metrics(workdir, "eval"), {}
     path = os.path.join(workdir, "config.json")
     if os.path.exists(path):
         with open(path) as f:
@@ -45,7 +43,7 @@ def window_mean(rl, key, lo, hi):
 def summarize(workdir: str) -> dict:
     rl, ev, config = read(workdir)
     if not rl:
-        raise SystemExit(f"{workdir}: no RL steps in metrics.jsonl")
+        raise UserError(f"{workdir}: no RL steps in metrics.jsonl")
     k = config.get("rl", {}).get("draft_tokens", 4)
     last = rl[-1]["step"]
     windows = [(lo, min(hi, last)) for lo, hi in WINDOWS if lo <= last]
@@ -97,9 +95,11 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("workdirs", nargs="+")
+def main(argv: list[str]) -> int:
+    ap = cli.ArgumentParser(
+        prog="python -m dsparse_jax.harness.spec_results", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument("--workdirs", type=cli.comma_list(), required=True, help="comma list")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     results = [summarize(w) for w in args.workdirs]
@@ -109,7 +109,8 @@ def main(argv=None):
         with open(args.out, "w") as f:
             f.write(text + "\n")
     print(table(results), file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -1,7 +1,7 @@
 """The pruning experiment's tables (docs/results.md, "Online rollout pruning"): dense GRPO
 vs GRPO with rollout pruning from one SFT warm start, read from the runs' metrics.jsonl.
 
-  python launch/prune_results.py runs/prune_exp/dense runs/prune_exp/pruned
+  python -m dsparse_jax.harness.prune_results --workdirs=runs/prune_exp/dense,runs/prune_exp/pruned
 
 Per run: RL steps, accuracy (greedy, mean@k) at each evaluation against the cumulative
 RL step time (time_step summed; evaluations and compiles of step 1 included as they
@@ -10,20 +10,17 @@ useful row (rows in groups with a non-zero advantage), groups with non-zero rewa
 variance, and for the pruned run the head's AUC and calibration over training.
 """
 
-import json
 import os
-import sys
 
 import numpy as np
 
+from dsparse_jax.config import cli
+from dsparse_jax.report.metrics import read_metrics
+
 
 def read(workdir: str) -> tuple[list[dict], list[dict]]:
-    rl, ev = [], []
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        for line in f:
-            r = json.loads(line)
-            (rl if r.get("phase") == "rl" else ev if r.get("phase") == "eval" else []).append(r)
-    return rl, ev
+    """(rl records, eval records) of a run."""
+    return read_metrics(workdir, "rl"), read_metrics(workdir, "eval")
 
 
 def mean(rows, key, lo=0, hi=None):
@@ -43,7 +40,12 @@ def curve(rl, ev) -> list[tuple[int, float, float, float]]:
     return out
 
 
-def main(runs: list[str]) -> None:
+def main(argv: list[str]) -> int:
+    ap = cli.ArgumentParser(
+        prog="python -m dsparse_jax.harness.prune_results", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument("--workdirs", type=cli.comma_list(), required=True, help="comma list")
+    runs = ap.parse_args(argv).workdirs
     print(
         "| run | RL steps | RL step time (s, sum) | s / step (median, >= 2) | tokens generated / step | tokens trained / step | (gen + trained) / step | groups mixed (trained) | tokens gen. / useful row | final greedy | final mean@k |"
     )
@@ -99,7 +101,8 @@ def main(runs: list[str]) -> None:
         print(
             f"- `{os.path.basename(w)}` time_rollout mean {mean(rl, 'time_rollout', 1):.2f} s, time_step mean {mean(rl, 'time_step', 1):.2f} s (steps >= 2)"
         )
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    cli.run(main)

@@ -1,9 +1,9 @@
 """Speculative rollout benchmark: plain dense sampling against each drafter, in one process.
 
-  python launch/bench_speculative.py --quick                      # smoke test, ~1 minute
-  python launch/bench_speculative.py --gen=1024,4096 > bench.json # random weights, B = 32
-  python launch/bench_speculative.py --workdir=runs/mini_longchain \\
-      --phi_workdir=runs/exp_mini/distillsparse_s0 --gen=0        # trained, the chain task
+  python -m dsparse_jax.bench.speculative --quick                      # smoke test, ~1 minute
+  python -m dsparse_jax.bench.speculative --gen=1024,4096 > bench.json # random weights, B = 32
+  python -m dsparse_jax.bench.speculative --workdir=runs/mini_longchain \\
+      --phi_workdir=runs/exp_mini/distillsparse_s0 --gen=0             # trained, the chain task
 
 Part 1 (--gen, random weights of --preset, mini by default, in --dtype; attention
 implementation --impl, xla by default): B = --batch rows (--samples per prompt) of random
@@ -40,22 +40,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import platform
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from dsparse_jax.attention.spec import AttentionSpec, SparseSpec  # noqa: E402
-from dsparse_jax.sampling.history import HistoryBank, prompt_key  # noqa: E402
-from dsparse_jax.sampling.sampler import Sampler, SamplingConfig, buffer_length  # noqa: E402
-from dsparse_jax.sampling.speculative import (  # noqa: E402
+from dsparse_jax.attention.spec import AttentionSpec, SparseSpec
+from dsparse_jax.config import cli
+from dsparse_jax.errors import UserError
+from dsparse_jax.sampling.history import HistoryBank, prompt_key
+from dsparse_jax.sampling.sampler import Sampler, SamplingConfig, buffer_length
+from dsparse_jax.sampling.speculative import (
     SpeculativeConfig,
     SpeculativeSampler,
     acceptance_summary,
@@ -93,44 +91,25 @@ def measure(
 ):
     """One row: compile ahead of time, then time the calls. head: (graphdef, state) of the
     learned draft head (draft_head)."""
-    head_graphdef, head_state = head if head is not None else (None, None)
     key = jax.random.key(0)
     prompts, lengths = jnp.asarray(prompts, jnp.int32), jnp.asarray(lengths, jnp.int32)
-    t0 = time.perf_counter()
     if spec_cfg is None:
-        s = Sampler(graphdef)
-        compiled = s._jitted.lower(
-            params,
-            prompts,
-            lengths,
-            key,
-            None,
-            None,
-            cfg=scfg,
-            spec=spec.dense(),
-            lora_scale=1.0,
-        ).compile()
-        call = lambda: compiled(params, prompts, lengths, key, None, None)
+        sampler, kw = Sampler(graphdef), dict(cfg=scfg, spec=spec.dense())
     else:
-        s = SpeculativeSampler(graphdef)
-        compiled = s._jitted.lower(
-            params,
-            prompts,
-            lengths,
-            key,
-            lora,
-            history,
-            head_state,
+        sampler = SpeculativeSampler(graphdef)
+        kw = dict(
             cfg=scfg,
             spec_cfg=spec_cfg,
             draft_spec=spec,
+            lora=lora,
             lora_scale=lora_scale,
-            return_cache=False,
-            head_graphdef=head_graphdef,
-        ).compile()
-        call = lambda: compiled(params, prompts, lengths, key, lora, history, head_state)
+            history=history,
+            head=head,
+        )
+    t0 = time.perf_counter()
+    sampler.lower(params, prompts, lengths, key, **kw).compile()  # the calls reuse it
     compile_s = time.perf_counter() - t0
-    secs, out = _run(call, reps)
+    secs, out = _run(lambda: sampler(params, prompts, lengths, key, **kw), reps)
     rollout = out if spec_cfg is None else out[0]
     tokens = int(np.asarray(rollout.completion_lengths).sum())
     row = {
@@ -307,28 +286,20 @@ def head_step_costs(model, head, batch, context, reps):
 
 
 def part_trained(args, spec):
-    from dsparse_jax.config import schema
     from dsparse_jax.data import batches
-    from dsparse_jax.train import context, trained
+    from dsparse_jax.train import context, rollouts, trained
 
     config = trained.workdir_config(args.workdir)
     config.rl.samples_per_prompt = args.samples
     config.rl.samples_generated = 0
     ctx = context.build(config)
-    _ = schema  # the config carries every default
     base = trained.load(ctx, args.workdir)
     p = args.batch // args.samples
     problems = ctx.task.problems("train", 0, p, config.seed)
     width = ctx.task.prompt_buffer()
     prompts, lengths = batches.encode_prompts(ctx.tok, problems, width)
     gen = ctx.task.completion_budget()
-    scfg = SamplingConfig(
-        gen,
-        ctx.tok.eos_id,
-        ctx.tok.pad_id,
-        temperature=args.temperature,
-        samples_per_prompt=args.samples,
-    )
+    scfg = rollouts.sampling_config(ctx, args.temperature, args.samples)
     spec = dataclasses.replace(ctx.rollout_spec, impl="xla")
     common = (ctx.graphdef, base.params, prompts, lengths, scfg, args.reps)
     rows = [measure("plain", *common, spec=spec)[0]]
@@ -367,7 +338,7 @@ def part_trained(args, spec):
     if args.phi_workdir:
         tuned = trained.load(ctx, args.phi_workdir)
         if tuned.lora is None:
-            raise SystemExit(
+            raise UserError(
                 f"--phi_workdir: {args.phi_workdir} has no phi (not a distillsparse run)"
             )
         common = (ctx.graphdef, tuned.params, prompts, lengths, scfg, args.reps)
@@ -388,9 +359,11 @@ def part_trained(args, spec):
     return out
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def main(argv: list[str]) -> int:
+    ap = cli.ArgumentParser(
+        prog="python -m dsparse_jax.bench.speculative",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--quick", action="store_true", help="tiny smoke run")
     ap.add_argument("--preset", default="mini")
@@ -445,7 +418,8 @@ def main(argv=None):
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -1,7 +1,7 @@
 """Offline probe of the quality head's signal (docs/pruning.md): can a head on the policy's
 hidden state at a checkpoint predict the final reward, given plenty of data?
 
-  python launch/prune_head_probe.py --workdir=runs/prune_exp/dense [--batches=6]
+  python -m dsparse_jax.harness.prune_head_probe --workdir=runs/prune_exp/dense [--batches=6]
 
 Samples `--batches` x rl.prompts_per_step prompts x 16 rows from the run's newest policy
 at rl.temperature, with pruning checkpoints at 24, 48 and 72 completion tokens that
@@ -11,32 +11,32 @@ shape, 400 Adam steps) on the rows of 2/3 of the prompts and reports its AUC on 
 rest, per checkpoint; prints JSON.
 """
 
-import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from dsparse_jax.config import cli
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--workdir", required=True)
+def main(argv: list[str]) -> int:
+    p = cli.ArgumentParser(
+        prog="python -m dsparse_jax.harness.prune_head_probe",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("--workdir", required=True, help="a run directory")
     p.add_argument("--batches", type=int, default=6)
-    p.add_argument("--steps", type=int, default=400)
-    args = p.parse_args()
+    p.add_argument("--steps", type=int, default=400, help="Adam steps of the head")
+    args = p.parse_args(argv)
+    if not os.path.isdir(args.workdir):
+        raise cli.UserError(f"--workdir: no such directory {args.workdir!r}")
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from dsparse_jax.config.validate import validate
-    from dsparse_jax.data import batches
     from dsparse_jax.model import quality_head
     from dsparse_jax.rl.pruning_metrics import weighted_auc
     from dsparse_jax.sampling.pruning import PruneConfig
-    from dsparse_jax.sampling.sampler import SamplingConfig
-    from dsparse_jax.train import context, quality, trained
-    from dsparse_jax.train.evaluation import score
+    from dsparse_jax.train import context, quality, rollouts, trained
 
     config = trained.workdir_config(args.workdir)
     validate(config)
@@ -45,13 +45,7 @@ def main() -> None:
     c = config.rl
     positions = (24, 48, 72)
     prune = PruneConfig(positions=positions, sizes=(15, 14, 13), label_rows=1, layer=-1)
-    scfg = SamplingConfig(
-        max_new_tokens=ctx.task.completion_budget(),
-        eos_id=ctx.tok.eos_id,
-        pad_id=ctx.tok.pad_id,
-        temperature=c.temperature,
-        samples_per_prompt=16,
-    )
+    scfg = rollouts.sampling_config(ctx, c.temperature, 16)
     hcfg = quality_head.HeadConfig(ctx.model_cfg.d_model, hidden=c.prune.head_hidden)
     dummy = quality_head.init_head(hcfg, jax.random.key(0))
     feats, labels, prompt_ids = [], [], []
@@ -59,20 +53,12 @@ def main() -> None:
         probs = ctx.task.problems(
             "train", 20_000_000 + i * c.prompts_per_step, c.prompts_per_step, 0
         )
-        prompts, lengths = batches.encode_prompts(ctx.tok, probs, ctx.task.prompt_buffer())
-        r, rec = ctx.sampler(
-            t.params,
-            prompts,
-            lengths,
-            jax.random.key(100 + i),
-            scfg,
-            ctx.spec,
-            prune=prune,
-            head=dummy,
+        key = jax.random.key(100 + i)
+        rolled = rollouts.roll_out(
+            ctx, t.params, probs, key, scfg, ctx.spec, prune=prune, head=dummy, where="probe"
         )
-        scored, _ = score(ctx.tok, r, probs, ctx.rewarder, "probe")
-        feats.append(np.asarray(rec.feats))
-        labels.append(np.asarray(scored.rewards) >= 1.0)
+        feats.append(np.asarray(rolled.prune.feats))
+        labels.append(np.asarray(rolled.scored.rewards) >= 1.0)
         prompt_ids.append(i * c.prompts_per_step + np.arange(len(probs)).repeat(16))
     ctx.rewarder.close()
     f, y, pid = np.concatenate(feats), np.concatenate(labels), np.concatenate(prompt_ids)
@@ -91,7 +77,8 @@ def main() -> None:
         out["auc_test"][pos] = weighted_auc(s, y[~train])
         out.setdefault("auc_train", {})[pos] = weighted_auc(s_tr, y[train])
     print(json.dumps(out, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -2,11 +2,15 @@
 start, the same seeds and step budget, each run resumable in its own workdir; the
 sparsity-level sweep; the report (docs/results.md). Usage: docs/experiments.md.
 
-  python launch/experiment.py run --expdir=runs/exp [--quick] [--seeds=0,1] [--steps=N]
-      [--variants=dense,sparse,...] [--set rl.learning_rate=1e-4 ...] [--config=...]
-  python launch/experiment.py sweep --expdir=runs/exp [--quick] [--budgets=3,4,6,8]
-  python launch/experiment.py report --expdir=runs/exp [--out=docs/results.md]
-  python launch/experiment.py status --expdir=runs/exp [--quick ...]   (the plan, no runs)
+  python -m dsparse_jax.harness.experiment run --expdir=runs/exp [--quick] [--seeds=0,1]
+      [--steps=N] [--variants=dense,sparse,...] [--config=...] [--config.rl.learning_rate=1e-4]
+  python -m dsparse_jax.harness.experiment sweep --expdir=runs/exp [--budgets=3,4,6,8]
+  python -m dsparse_jax.harness.experiment report --expdir=runs/exp [--out=docs/results.md]
+  python -m dsparse_jax.harness.experiment status --expdir=runs/exp [...]  (the plan, no runs)
+
+`--config.a.b=v` overrides apply to every run and the SFT warm start (an experiment
+directory started with the earlier `launch/experiment.py ... --set a.b=v` resumes with
+`--config.a.b=v`: experiment.json and experiment_run.json keep the same overrides).
 
 `run` first trains the SFT warm start once in <expdir>/sft_base (a child process:
 `launch/train.py --sft_only`, the main job's own entry point), then
@@ -32,16 +36,17 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from dsparse_jax.config import cli
+from dsparse_jax.errors import UserError
+from dsparse_jax.harness import ROOT, results
+from dsparse_jax.harness.variants import ALIASES, DESCRIPTIONS, MAIN, VARIANTS
+from dsparse_jax.reliability.files import write_json_atomic
+from dsparse_jax.report.metrics import read_metrics
+
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "gemma_math.py")
+TRAIN = os.path.join(ROOT, "launch", "train.py")  # the main job's entry point: every run
 
-from dsparse_jax.config import cli  # noqa: E402
-from dsparse_jax.errors import UserError  # noqa: E402
-from dsparse_jax.reliability.files import write_json_atomic  # noqa: E402
-from dsparse_jax.report.variants import ALIASES, DESCRIPTIONS, MAIN, VARIANTS  # noqa: E402
-
-# Every run (below the quick preset and --set): completion-position bins of 16 tokens for
+# Every run (below the quick preset and --config.a.b=v): completion-position bins of 16 tokens for
 # the mismatch metrics (the config's 256 is meant for long generations; the embedded
 # task's completions are 28-82 tokens, which would all fall into one bin).
 BASE = {"metrics.position_bin": 16}
@@ -50,7 +55,7 @@ BASE = {"metrics.position_bin": 16}
 # default task and SFT warm start (so a quick run can reuse a full run's sft_base), the
 # sparsity level of the documented sweep (budget 4 of 9 pages: sink + 2 recent + 1 chosen),
 # 20 RL steps, evaluation on 64 problems every 5 steps with mean@2, no TensorBoard. Any of
-# these can be overridden with --set.
+# these can be overridden with --config.a.b=v.
 QUICK = {
     "sparse.budget": 4,
     "rl.num_steps": 20,
@@ -70,21 +75,6 @@ def fmt_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     return str(v)
-
-
-def parse_sets(items: list[str]) -> dict:
-    out = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if key.startswith("--"):
-            key = key[2:]
-        if key.startswith("config."):
-            key = key[len("config.") :]
-        if not sep or not key:
-            raise UserError(f"--set {item!r}: expected key=value, e.g. rl.learning_rate=1e-4")
-        out[key] = value
-    return out
 
 
 def override_args(overrides: dict) -> list[str]:
@@ -115,17 +105,17 @@ def resolve_variants(spec: str | None, quick: bool) -> list[str]:
 
 
 def common_overrides(args) -> dict:
-    """BASE < quick preset < --set < --steps (the same for every run)."""
+    """BASE < quick preset < --config.a.b=v (args.overrides) < --steps (the same for every
+    run)."""
     out = dict(BASE)
     if args.quick:
         out.update(QUICK)
-    sets = parse_sets(args.set)
-    for key in sets:
+    for key in args.overrides:
         if any(key == k for v in VARIANTS.values() for k in v):
-            raise UserError(f"--set {key}: this field defines the variants; use --variants")
+            raise UserError(f"--config.{key}: this field defines the variants; use --variants")
         if key == "seed":
-            raise UserError("--set seed: use --seeds")
-    out.update(sets)
+            raise UserError("--config.seed: use --seeds")
+    out.update(args.overrides)
     if args.steps is not None:
         out["rl.num_steps"] = args.steps
     return out
@@ -167,8 +157,6 @@ def _read_json(path: str):
 def run_state(workdir: str, num_steps: int) -> tuple[str, int]:
     """('done' | 'partial' | 'new', last RL step logged). Done: summary.json written (the
     run's last act) after RL reached num_steps with the final evaluation logged."""
-    from dsparse_jax.report.metrics import read_metrics
-
     records = read_metrics(workdir)
     rl_steps = [r["step"] for r in records if r["phase"] == "rl"]
     eval_steps = [r["step"] for r in records if r["phase"] == "eval"]
@@ -268,7 +256,7 @@ def ensure_sft_base(args, common: dict, seed: int) -> str | None:
     }
     cmd = [
         sys.executable,
-        os.path.join(ROOT, "launch", "train.py"),
+        TRAIN,
         f"--config={args.config}",
         f"--workdir={base}",
         "--sft_only",
@@ -323,8 +311,8 @@ def cmd_run(args) -> int:
                 f"--budget_from_sweep: no suggested budget in "
                 f"{args.expdir}/sweep/sweep.json (run `sweep` first)"
             )
-        if "sparse.budget" in parse_sets(args.set):
-            raise UserError("--budget_from_sweep and --set sparse.budget: choose one")
+        if "sparse.budget" in args.overrides:
+            raise UserError("--budget_from_sweep and --config.sparse.budget: choose one")
         common["sparse.budget"] = sweep["suggested_budget"]
         print(f"[experiment] sparse.budget={sweep['suggested_budget']} from the sweep", flush=True)
     cfg = load_config(args.config, common)  # fails early on a bad override
@@ -395,7 +383,7 @@ def cmd_run(args) -> int:
         )
         cmd = [
             sys.executable,
-            os.path.join(ROOT, "launch", "train.py"),
+            TRAIN,
             f"--config={args.config}",
             f"--workdir={wd}",
             *override_args(over),
@@ -428,7 +416,7 @@ def cmd_run(args) -> int:
             print(f"[experiment] {name} done in {wall:.0f}s", flush=True)
     print(f"[experiment] this invocation took {time.time() - t_start:.0f}s", flush=True)
     if args.report:
-        _results().write_report(args.expdir, args.out, args.fig_dir)
+        results.write_report(args.expdir, args.out, args.fig_dir)
     if failed:
         print(f"[experiment] failed runs: {', '.join(failed)}", flush=True)
         return 1
@@ -436,202 +424,9 @@ def cmd_run(args) -> int:
 
 
 # ---------------------------------------------------------------------------------- sweep
-def measure_sweep(
-    config, sft_dir: str | None, budgets: list[int], prompts: int, batches_n: int, greedy: bool
-) -> dict:
-    """Mismatch of the naive sparse actor (theta from the SFT warm start, no adapter) vs
-    the dense policy, per sparse.budget, without training: the sparse actor samples
-    `prompts` x rl.samples_per_prompt completions of the RL prompt stream (batches_n
-    batches; the first includes the compile and is not timed) and distill.recompute
-    measures the exact per-token mismatch of its teacher-forced twin (the recorded pages)
-    vs the dense policy. A dense rollout of the same prompts is the reference."""
-    import dataclasses
-    import math
-
-    import jax
-    import numpy as np
-
-    from dsparse_jax.attention.spec import AttentionSpec, SparseSpec
-    from dsparse_jax.config.validate import validate
-    from dsparse_jax.data import batches
-    from dsparse_jax.model.transformer import sparse_layers
-    from dsparse_jax.report.metrics import MetricsWriter
-    from dsparse_jax.sampling.sampler import SamplingConfig
-    from dsparse_jax.train import context, distill, rl_loop, sft
-    from dsparse_jax.train.evaluation import score
-
-    validate(config)
-    ctx = context.build(config)
-    if sft_dir is None:  # sft.enabled=False: the initial (e.g. pretrained) weights
-        params, sft_acc = ctx.init_params, None
-    else:
-        writer = MetricsWriter(sft_dir, tensorboard=False)
-        try:
-            params, sft_acc = sft.warm_start(ctx, sft_dir, writer)
-        finally:
-            writer.close()
-    c = config.rl
-    n_bins = max(1, math.ceil(ctx.task.completion_budget() / config.metrics.position_bin))
-    scfg = SamplingConfig(
-        max_new_tokens=ctx.task.completion_budget(),
-        eos_id=ctx.tok.eos_id,
-        pad_id=ctx.tok.pad_id,
-        temperature=c.temperature,
-        samples_per_prompt=c.samples_per_prompt,
-    )
-    total_pages = ctx.seq_width // ctx.spec.page_size
-    rows = []
-    for budget in [None] + budgets:
-        if budget is None:
-            spec, twin = ctx.spec, None
-        else:
-            sp = dataclasses.replace(ctx.rollout_spec.sparse, budget=budget)
-            spec = twin = dataclasses.replace(ctx.rollout_spec, sparse=sp)
-        per_batch, times, toks, rewards = [], [], [], []
-        for b in range(batches_n):
-            probs = ctx.task.problems(
-                "train", rl_loop.RL_DATA_OFFSET + b * prompts, prompts, config.seed
-            )
-            pr, ln = batches.encode_prompts(ctx.tok, probs, ctx.task.prompt_buffer())
-            key = jax.random.fold_in(jax.random.key(config.seed + 11), b)
-            t = time.time()
-            r = ctx.sampler(params, pr, ln, key, scfg, spec)
-            jax.block_until_ready(r.tokens)
-            dt = time.time() - t
-            ncomp = np.asarray(r.completion_lengths)
-            if b > 0:  # the first batch includes the compile
-                times.append(dt)
-                toks.append(float(ncomp.sum()))
-            scored, _ = score(ctx.tok, r, probs, ctx.rewarder)
-            rewards.append(np.asarray(scored.rewards))
-            rec = distill.recompute(
-                params,
-                None,
-                r.tokens,
-                r.prompt_lengths,
-                r.completion_mask,
-                r.pages(),
-                r.logprobs,
-                graphdef=ctx.graphdef,
-                temperature=c.temperature,
-                dense_spec=ctx.spec,
-                twin_spec=twin,
-                bin_width=config.metrics.position_bin,
-                num_bins=n_bins,
-            )
-            m = distill.flatten_metrics(jax.device_get(rec["metrics"]))
-            m["response_length_mean"] = float(ncomp.mean())
-            per_batch.append(m)
-        keys = sorted(set().union(*per_batch))
-        row = {}
-        for k in keys:  # unweighted mean over batches of finite values
-            vals = [m[k] for m in per_batch if k in m and math.isfinite(m[k])]
-            row[k] = float(np.mean(vals)) if vals else float("nan")
-        allr = np.concatenate(rewards)
-        row.update(
-            budget=budget,
-            reward=float(allr.mean()),
-            accuracy=float((allr == 1.0).mean()),
-            rollout_tokens_per_s=float(sum(toks) / sum(times)) if times else None,
-            pages_read=budget if budget is not None else total_pages,
-            page_fraction=(min(budget, total_pages) / total_pages) if budget else 1.0,
-        )
-        if greedy:
-            row["greedy_accuracy"] = ctx.evaluator.greedy(params, spec=spec)
-        rows.append(row)
-        print(
-            f"[sweep] budget {budget or 'dense'}: "
-            + " ".join(
-                f"{k} {row[k]:.4g}"
-                for k in ("kl_exact", "alpha_mean", "alpha_p5", "reward", "greedy_accuracy")
-                if isinstance(row.get(k), float)
-            ),
-            flush=True,
-        )
-    return {
-        "sft_greedy_accuracy": sft_acc,
-        "total_pages": total_pages,
-        "page_size": ctx.spec.page_size,
-        "seq_width": ctx.seq_width,
-        "sparse_layers": sparse_layers(
-            ctx.model_cfg, AttentionSpec(sparse=SparseSpec(dense_layers=config.sparse.dense_layers))
-        ),
-        "dense_layers": config.sparse.dense_layers,
-        "policy": config.sparse.policy,
-        "prompts": prompts,
-        "samples_per_prompt": c.samples_per_prompt,
-        "batches": batches_n,
-        "temperature": c.temperature,
-        "bin_width": config.metrics.position_bin,
-        "rows": rows,
-    }
-
-
-def longest_bin(row: dict, name: str = "alpha_p5"):
-    """(bin index, value) of `name` in the last completion-position bin with tokens."""
-    import math
-
-    best = None
-    i = 0
-    while f"tokens_bin{i}" in row:
-        v = row.get(f"{name}_bin{i}")
-        if row[f"tokens_bin{i}"] > 0 and isinstance(v, float) and math.isfinite(v):
-            best = (i, v)
-        i += 1
-    return best
-
-
-def suggest_budget(result: dict, kl_threshold: float) -> int | None:
-    """The largest (least sparse) budget whose naive sparse actor is measurably off-policy:
-    mean exact KL(sparse || dense) per token >= kl_threshold."""
-    ok = [
-        r["budget"]
-        for r in result["rows"]
-        if r["budget"] is not None and r.get("kl_exact", 0.0) >= kl_threshold
-    ]
-    return max(ok) if ok else None
-
-
-def sweep_markdown(result: dict) -> str:
-    def f(v, p=4):
-        return "-" if v is None or (isinstance(v, float) and v != v) else f"{v:.{p}g}"
-
-    lines = [
-        f"Naive sparse actor (SFT warm start, no adapter, policy `{result['policy']}`, layers "
-        f"{result['sparse_layers']} sparse) vs the dense policy, measured on "
-        f"{result['prompts']} RL prompts x {result['samples_per_prompt']} samples x "
-        f"{result['batches']} batches at temperature {result['temperature']}; the sequence "
-        f"buffer is {result['seq_width']} tokens = {result['total_pages']} pages of "
-        f"{result['page_size']}. SFT held-out greedy accuracy "
-        f"{f(result['sft_greedy_accuracy'], 3)}.",
-        "",
-        "| budget (pages) | pages read / buffer | KL(sparse‖dense) exact | k3 KL | mean α "
-        "| p5 α | p5 α, longest bin | sampled reward | greedy acc. (actor) | rollout tok/s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in result["rows"]:
-        lb = longest_bin(r)
-        lines.append(
-            f"| {r['budget'] if r['budget'] is not None else 'dense'} "
-            f"| {f(r['page_fraction'], 2)} | {f(r.get('kl_exact'))} | {f(r.get('kl_k3'))} "
-            f"| {f(r.get('alpha_mean'))} | {f(r.get('alpha_p5'))} "
-            f"| {f(lb[1]) + f' (bin {lb[0]})' if lb else '-'} | {f(r['reward'], 3)} "
-            f"| {f(r.get('greedy_accuracy'), 3)} | {f(r.get('rollout_tokens_per_s'), 4)} |"
-        )
-    s = result.get("suggested_budget")
-    lines += [
-        "",
-        f"Suggested budget (largest with exact KL >= {result['kl_threshold']:g}): "
-        + (
-            f"**{s}** (pass `--set sparse.budget={s}`)"
-            if s is not None
-            else "none of the budgets measured"
-        ),
-    ]
-    return "\n".join(lines) + "\n"
-
-
 def cmd_sweep(args) -> int:
+    from dsparse_jax.harness import sweep  # imports jax: only here (the runs own the device)
+
     budgets = [int(b) for b in args.budgets.split(",")]
     seed = int(args.seeds.split(",")[0]) if args.seeds else 0
     common = common_overrides(args)
@@ -641,47 +436,35 @@ def cmd_sweep(args) -> int:
     config = load_config(args.config, {**common, "seed": seed})
     c = config.rl
     prompts = args.prompts or c.prompts_per_step
-    result = measure_sweep(config, base, budgets, prompts, args.batches, not args.no_greedy)
+    result = sweep.measure_sweep(config, base, budgets, prompts, args.batches, not args.no_greedy)
     result["kl_threshold"] = args.kl_threshold
-    result["suggested_budget"] = suggest_budget(result, args.kl_threshold)
+    result["suggested_budget"] = sweep.suggest_budget(result, args.kl_threshold)
     result["overrides"] = {k: fmt_value(v) for k, v in common.items()}
     out = os.path.join(args.expdir, "sweep")
     os.makedirs(out, exist_ok=True)
     write_json_atomic(os.path.join(out, "sweep.json"), result, indent=2)
     with open(os.path.join(out, "sweep.md"), "w") as f:
-        f.write(sweep_markdown(result))
-    print(sweep_markdown(result), flush=True)
+        f.write(sweep.sweep_markdown(result))
+    print(sweep.sweep_markdown(result), flush=True)
     print(f"[sweep] wrote {out}/sweep.json and sweep.md", flush=True)
     return 0
 
 
 # ------------------------------------------------------------------------------------ CLI
-def _results():
-    """launch/results.py as a module (launch/ is not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "dsparse_results", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.py")
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+CONFIG_HELP = (
+    "--config=FILE (default configs/gemma_math.py) and --config.a.b=VALUE (repeatable): the "
+    "config of every run and of the SFT warm start; the fields that define the variants and "
+    "the seed are refused (--variants, --seeds)."
+)
 
 
 def _common_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=DEFAULT_CONFIG, help="config file (get_config())")
+    p.epilog = CONFIG_HELP
     p.add_argument("--expdir", required=True, help="experiment directory")
     p.add_argument(
         "--quick",
         action="store_true",
         help="the quick preset (QUICK in this file; docs/experiments.md)",
-    )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override for every run (and the SFT warm start), repeatable",
     )
     p.add_argument("--steps", type=int, default=None, help="RL steps per run (rl.num_steps)")
     p.add_argument(
@@ -701,7 +484,10 @@ def _common_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m dsparse_jax.harness.experiment",
+        description=__doc__.split("\n\n")[0],
+        epilog=CONFIG_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run (or resume) the variants")
@@ -759,13 +545,16 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def main(argv: list[str]) -> int:
+    path, overrides, argv = cli.split_config_args(argv)
+    if "--set" in argv or any(a.startswith("--set=") for a in argv):
+        raise UserError("--set KEY=VALUE is now --config.KEY=VALUE (as in launch/train.py)")
     if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
-        argv = ["run", *argv]  # `experiment.py --expdir=...` = run
+        argv = ["run", *argv]  # `experiment --expdir=...` = run
     args = build_parser().parse_args(argv)
+    args.config, args.overrides = path or DEFAULT_CONFIG, overrides
     if args.command == "report":
-        _results().write_report(args.expdir, args.out, args.fig_dir)
+        results.write_report(args.expdir, args.out, args.fig_dir)
         return 0
     if args.compile_cache is None:
         args.compile_cache = os.path.join(args.expdir, "jax_cache")

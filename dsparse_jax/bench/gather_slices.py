@@ -1,18 +1,17 @@
 """Decode step with the K/V page gather in 1 or more slices, side by side (issue 22).
 
-    python launch/bench_gather_slices.py --contexts 1024,4096,16384 \
-        --configs distillsparse:0,distillsparse:0:g16c8 --slices 1,2 --out /tmp/slices.json
+    python -m dsparse_jax.bench.gather_slices --contexts=1024,4096,16384 \
+        --configs=distillsparse:0,distillsparse:0:g16c8 --slices=1,2 --out=/tmp/slices.json
 
 Per context: the dense step at the budget's context (the reference of the selection
 overhead) and every (config, slices) step, compiled once each, then timed in interleaved
 rounds (every program `--reps` steps per round) in one process, so all ratios compare
-steps measured side by side. `sparse.GATHER_SLICES` is set while a program is traced: it
-is a trace-time constant. Also checks that every slice count gives the same logits as the
+steps measured side by side. The slices are the spec's `sparse.gather_slices`. Also checks that every slice count gives the same logits as the
 first (bitwise). Prints JSON (median and minimum ms per step, overhead = sparse / dense at
-the budget). Tiny preset, B = 32, f32, random weights and caches (as bench_rollout.py).
+the budget). Tiny preset, B = 32, f32, random weights and caches (as bench/rollout.py).
 """
 
-import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -20,15 +19,17 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dsparse_jax.bench import rollout as br
+from dsparse_jax.config import cli
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str]):
+    p = cli.ArgumentParser(
+        prog="python -m dsparse_jax.bench.gather_slices", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--contexts", default="1024,4096,16384")
     p.add_argument("--configs", default="distillsparse:0,distillsparse:0:g16c8")
-    p.add_argument("--slices", default="1,2", help="GATHER_SLICES values to compare")
+    p.add_argument("--slices", default="1,2", help="sparse.gather_slices values to compare")
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--batch", type=int, default=32)
@@ -38,29 +39,27 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def main(argv=None):
+def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    import bench_rollout as br
     import jax
     from flax import nnx
 
-    from dsparse_jax.attention import sparse
     from dsparse_jax.model import config as model_config
     from dsparse_jax.model.transformer import Transformer
 
     cfg = model_config.preset("tiny", dtype="float32", param_dtype="float32", vocab_size=64)
     model = Transformer(cfg, nnx.Rngs(0))
     state = nnx.split(model)[1]
-    b, default_slices = args.batch, sparse.GATHER_SLICES
+    b = args.batch
 
     def prepare(ctx, name, slices):
         spec = br.spec_for(name, args.budget, args.page_size)
+        if spec.sparse is not None:
+            spec = dataclasses.replace(
+                spec, sparse=dataclasses.replace(spec.sparse, gather_slices=slices)
+            )
         fn, caches, tokens, pos, _ = br.decode_step(model, spec, b, ctx, seed=0)
-        sparse.GATHER_SLICES = slices
-        try:
-            logits, caches = fn(state, tokens, pos, caches)
-        finally:
-            sparse.GATHER_SLICES = default_slices
+        logits, caches = fn(state, tokens, pos, caches)
         return {
             "fn": fn,
             "caches": caches,
@@ -73,7 +72,7 @@ def main(argv=None):
     slices = [int(s) for s in args.slices.split(",")]
     configs = [c for c in args.configs.split(",") if c]
     budget_ctx = args.budget * args.page_size
-    reference = prepare(budget_ctx, "dense", default_slices)
+    reference = prepare(budget_ctx, "dense", None)
     rows, t0 = [], time.time()
     for ctx in [int(c) for c in args.contexts.split(",")]:
         live = {("dense", budget_ctx, None): reference}
@@ -113,7 +112,8 @@ def main(argv=None):
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -1,9 +1,9 @@
 """Rollout benchmark: sampler throughput and per-step decode cost, dense vs block-sparse.
 
-  python launch/bench_rollout.py --quick                      # smoke test, < 2 minutes
-  python launch/bench_rollout.py > bench.json 2> bench.err    # full run (long on CPU)
-  python launch/bench_rollout.py --gen_lens=16384 --configs=dense,centroid:0 \
-      --skip_steps --warmup=aot                               # 16k generation only
+  python -m dsparse_jax.bench.rollout --quick                   # smoke test, < 2 minutes
+  python -m dsparse_jax.bench.rollout > bench.json 2> bench.err # full run (long on CPU)
+  python -m dsparse_jax.bench.rollout --gen_lens=16384 --configs=dense,centroid:0 \
+      --skip_steps --warmup=aot                                 # 16k generation only
 
 Everything is measured in this process, with random weights, on the tiny preset by default
 (vocab 64, f32; --preset, --dtype and --impl pick another model, dtype and attention
@@ -60,9 +60,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from dsparse_jax.config import cli  # noqa: E402
+from dsparse_jax.config import cli
 
 POLICIES = ("centroid", "quest", "streaming")
 REFERENCE = "dense@budget"  # the overhead's reference step, timed in every context's rounds
@@ -74,7 +72,9 @@ def log(*a):
 
 def parse_args(argv=None):
     p = cli.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m dsparse_jax.bench.rollout",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--quick",
@@ -188,8 +188,9 @@ def stats_ms(ts):
 
 
 def git_rev():
+    """The source tree's commit (+dirty when dsparse_jax/ has uncommitted changes)."""
     try:
-        root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         rev = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
         ).stdout.strip()
@@ -247,9 +248,7 @@ def bench_throughput(model, args, configs, gen_lens, checkpoint=lambda rows: Non
             # reuse this executable (jax caches lowering and compilation), so this is the
             # compile time, measured directly.
             t0 = time.perf_counter()
-            sampler._jitted.lower(
-                state, prompts, lengths, key, None, cfg=cfg, spec=spec, lora_scale=1.0
-            ).compile()
+            sampler.lower(state, prompts, lengths, key, cfg, spec).compile()
             row["compile_s"] = time.perf_counter() - t0
             if args.warmup == "run":  # one untimed full call (allocations, caches)
                 t0 = time.perf_counter()
@@ -601,7 +600,7 @@ def summarize(args, throughput, steps):
     return out
 
 
-def main(argv=None):
+def main(argv: list[str]) -> int:
     args = parse_args(argv)
     t_start = time.time()
     import jax
@@ -678,6 +677,7 @@ def main(argv=None):
             os.remove(args.out + ".partial")
     print(text)
     log(f"[bench] done in {meta['wall_s']:.0f} s")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,19 +1,22 @@
 """Block-sparse decode kernel benchmark: kernel time vs dense decode attention, and the
 achieved HBM bandwidth on the bytes the kernel reads.
 
-  python launch/bench_kernels.py --out /tmp/kernels.json            # GPU or TPU
-  python launch/bench_kernels.py --contexts 32768 --budgets 32      # one point
-  python launch/bench_kernels.py                                    # CPU: sanity check only
+  python -m dsparse_jax.bench.kernels --out=/tmp/kernels.json          # GPU or TPU
+  python -m dsparse_jax.bench.kernels --contexts=32768 --budgets=32    # one point
+  python -m dsparse_jax.bench.kernels                                  # CPU: sanity check only
 
-On GPU the kernel is the jax-triton split-K decode (pallas_kernels/triton_decode.py; needs
-requirements-gpu.txt), on TPU the Pallas decode (pallas_kernels/sparse_decode.py). For
-each context L (default 4k-128k) and budget (default 16-64 pages of --page_size tokens)
-it times, on one attention layer's cache [B, K, L_buf, H] in --dtype:
-  sparse_kernel  the accelerator kernel over `budget` random selected pages per
-                 (sequence, KV head) (sink page, current page and random others, in
+Every path is timed through the model's attention dispatcher (model/attention_dispatch.py),
+so the kernel is the one `attention.impl` runs: --impl (default auto: the platform's
+kernel) resolves to triton_gpu on GPU (the jax-triton split-K decode,
+pallas_kernels/triton_decode.py; needs requirements-gpu.txt) and pallas_tpu on TPU (the
+Pallas decode, pallas_kernels/paged_decode.py). For each context L (default 4k-128k) and
+budget (default 16-64 pages of --page_size tokens) it times, on one attention layer's cache
+[B, K, L_buf, H] in --dtype:
+  sparse_kernel  dispatch.sparse_decode under --impl over `budget` random selected pages
+                 per (sequence, KV head) (sink page, current page and random others, in
                  random slot order), query at position L - 1;
-  sparse_xla     the plain-JAX gather reference on the same pages;
-  dense_xla      dense decode attention (dense.decode_attention) over all L entries.
+  sparse_xla     the same under impl=xla: the plain-JAX gather reference on the same pages;
+  dense_xla      dispatch.attend_decode of a dense layer over all L entries.
 Two times per path, each a median over --reps timed calls after --warmup calls (jit
 compile excluded, block_until_ready per call):
   *_call_ms  one jitted call, as a caller sees it: the device time plus the fixed cost of
@@ -31,24 +34,22 @@ on device times: kernel >= 60% of HBM peak at 32k; dense/sparse speedup >= 0.7 *
 (budget * page_size).
 
 On CPU there is no kernel to time (Pallas runs in interpret mode, Triton needs a GPU): the
-script says so, runs a tiny interpret-mode check of the Pallas kernel against the
-reference (correctness only, no figures) and exits 0; --force_cpu_timing times the
-interpreted kernel anyway (meaningless for speed; for debugging the script).
+script says so, runs a tiny interpret-mode check of the pallas_tpu kernel against the
+reference through the dispatcher (correctness only, no figures) and exits 0;
+--force_cpu_timing times the --impl path anyway (pallas_tpu: the interpreted kernel;
+meaningless for speed; for debugging the script).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from dsparse_jax.config import cli  # noqa: E402
+from dsparse_jax.config import cli
 
 # HBM peak bandwidth in GB/s by jax device_kind substring (vendor figures).
 HBM_PEAK_GBS = {
@@ -74,7 +75,9 @@ def log(*a):
 
 def parse_args(argv=None):
     p = cli.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m dsparse_jax.bench.kernels",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--contexts", default="4096,8192,16384,32768,65536,131072")
     p.add_argument("--budgets", default="16,32,64", help="pages read per (seq, KV head)")
@@ -88,8 +91,9 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--chain", type=int, default=16, help="dependent calls per timed program")
-    p.add_argument("--num_splits", type=int, default=0, help="Triton splits (0: auto)")
-    p.add_argument("--pages_per_step", type=int, default=1, help="Pallas TPU pages per step")
+    p.add_argument(
+        "--impl", default="auto", help="attention.impl of the kernel (auto: the platform's)"
+    )
     p.add_argument("--skip_dense", action="store_true")
     p.add_argument("--hbm_peak_gbs", type=float, default=0.0, help="override the table")
     p.add_argument("--force_cpu_timing", action="store_true")
@@ -182,13 +186,21 @@ def device_time(fn, args_, chain: int, reps: int, warmup: int):
     return (many - one) / (chain - 1), one
 
 
+def _spec(impl: str, page_size: int):
+    """A spec whose sparse layers decode with `impl` (the selection settings are unused:
+    the benchmark hands the dispatcher its pages)."""
+    from dsparse_jax.attention.spec import AttentionSpec, SparseSpec
+
+    return AttentionSpec(impl=impl, page_size=page_size, sparse=SparseSpec())
+
+
 def cpu_sanity_check() -> dict:
-    """Interpret-mode Pallas decode kernel vs the XLA reference on a tiny shape."""
+    """The pallas_tpu decode (interpreted) vs the XLA reference on a tiny shape, both
+    through the dispatcher."""
     import jax.numpy as jnp
 
-    from dsparse_jax.attention import sparse
     from dsparse_jax.attention.spec import LayerInfo
-    from pallas_kernels import sparse_decode
+    from dsparse_jax.model import attention_dispatch as dispatch
 
     rng = np.random.default_rng(0)
     b, kv, g, h, ps, n_pages = 2, 2, 2, 16, 8, 8
@@ -198,23 +210,25 @@ def cpu_sanity_check() -> dict:
     pos = jnp.asarray([60, 21], jnp.int32)
     ids = jnp.asarray([[[7, 0, 3, -1], [5, 7, 0, 2]], [[2, -1, 0, 1], [0, 2, -1, -1]]], jnp.int32)
     layer = LayerInfo(index=1, window=None, softcap=None, scale=h**-0.5)
-    want = sparse.sparse_decode_attention(q, k, v, pos, ids, layer, ps)
-    got = sparse_decode.sparse_decode_attention(q, k, v, pos, ids, layer, ps, interpret=True)
+    want, got = (
+        dispatch.sparse_decode(q, k, v, pos, ids, layer, _spec(impl, ps))
+        for impl in ("xla", "pallas_tpu")
+    )
     err = float(jnp.abs(got - want).max())
     return {
-        "check": "pallas sparse_decode (interpret) vs XLA reference",
+        "check": "pallas_tpu decode (interpret) vs XLA reference, through the dispatcher",
         "max_abs_err": err,
         "ok": err < 2e-5,
     }
 
 
-def main(argv=None):
+def main(argv: list[str]) -> int:
     args = parse_args(argv)
     import jax
     import jax.numpy as jnp
 
-    from dsparse_jax.attention import dense, sparse
-    from dsparse_jax.attention.spec import LayerInfo
+    from dsparse_jax.attention.spec import AttentionSpec, LayerInfo, interpret_mode
+    from dsparse_jax.model import attention_dispatch as dispatch
 
     backend = jax.default_backend()
     dev = jax.devices()[0]
@@ -241,39 +255,18 @@ def main(argv=None):
     itemsize = jnp.dtype(dtype).itemsize
     layer = LayerInfo(index=1, window=None, softcap=args.softcap or None, scale=args.head_dim**-0.5)
     ps = args.page_size
-    if backend == "gpu":
-        from pallas_kernels import triton_decode
-
-        triton_decode.require_triton()
-        splits = args.num_splits or None
-        kernel = jax.jit(
-            lambda q, k, v, pos, ids: triton_decode.sparse_decode_attention(
-                q, k, v, pos, ids, layer, ps, num_splits=splits
-            )
-        )
-        kernel_name = "triton_gpu"
-    else:
-        from pallas_kernels import sparse_decode
-
-        interpret = backend != "tpu"
-        kernel = jax.jit(
-            lambda q, k, v, pos, ids: sparse_decode.sparse_decode_attention(
-                q,
-                k,
-                v,
-                pos,
-                ids,
-                layer,
-                ps,
-                pages_per_step=args.pages_per_step,
-                interpret=interpret,
-            )
-        )
-        kernel_name = "pallas_tpu" + ("_interpret" if interpret else "")
-    ref = jax.jit(
-        lambda q, k, v, pos, ids: sparse.sparse_decode_attention(q, k, v, pos, ids, layer, ps)
+    impl = dispatch.resolve_impl(args.impl)
+    kernel_name = impl + ("_interpret" if impl == "pallas_tpu" and interpret_mode() else "")
+    spec, ref_spec, dense_spec = _spec(impl, ps), _spec("xla", ps), AttentionSpec(page_size=ps)
+    kernel = jax.jit(
+        lambda q, k, v, pos, ids: dispatch.sparse_decode(q, k, v, pos, ids, layer, spec)
     )
-    dense_fn = jax.jit(lambda q, k, v, pos: dense.decode_attention(q, k, v, pos, layer))
+    ref = jax.jit(
+        lambda q, k, v, pos, ids: dispatch.sparse_decode(q, k, v, pos, ids, layer, ref_spec)
+    )
+    dense_fn = jax.jit(
+        lambda q, k, v, pos: dispatch.attend_decode(q, {"k": k, "v": v}, pos, layer, dense_spec)[0]
+    )
     peak = hbm_peak(dev.device_kind, args.hbm_peak_gbs)
     result.update(mode="timing", kernel=kernel_name, hbm_peak_gbs=peak, rows=[])
     rng = np.random.default_rng(0)

@@ -1,12 +1,12 @@
 """Mechanism diagnostics of sparse rollouts on the chain task (docs/results.md).
 
-  python launch/mechanism.py lookups --config=configs/mini_longchain.py \\
+  python -m dsparse_jax.harness.mechanism lookups --config=configs/mini_longchain.py \\
       --workdir=runs/mini_longchain --budgets=6,8,12
-  python launch/mechanism.py distill --config=configs/mini_longchain.py \\
+  python -m dsparse_jax.harness.mechanism distill --config=configs/mini_longchain.py \\
       --workdir=runs/mini_longchain --budget=8 --kls=k3,exact_reverse --lrs=1e-3,1e-2 \\
       --steps=100
 
-  python launch/mechanism.py selection --config=configs/mini_longchain.py \\
+  python -m dsparse_jax.harness.mechanism selection --config=configs/mini_longchain.py \\
       --workdir=runs/mini_longchain --budget=8 --groups=4:5,4:8,2:8
 
 All start from the run's SFT warm start (<workdir>/sft, made by
@@ -19,7 +19,7 @@ lookups (a): the naive sparse actor (theta, no adapter) samples rl.samples_per_p
   of a term line) and every sparse layer and KV head: was the page holding the
   definition read? The exact per-token KL(sparse || dense) and acceptance alpha of the
   sampled token, split by hit and miss, at vote steps (a soft aggregate of every earlier
-  sign) and at all other tokens (report/mechanism.py).
+  sign) and at all other tokens (harness/lookups.py).
 distill (b, c): theta frozen, phi (LoRA, zero at the start) trained with
   distill.loss=kl_only for --steps steps per (KL kind, LoRA learning rate) on a fixed
   replay of --replay recorded rollout batches of the naive sparse actor (tokens and
@@ -38,25 +38,14 @@ selection: two-level page selection (sparse.group_pages G, candidate_groups C; "
 """
 
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from dsparse_jax.config import cli  # noqa: E402
-from dsparse_jax.errors import UserError  # noqa: E402
-from dsparse_jax.reliability import files  # noqa: E402
-from dsparse_jax.rl.modes import kl_kinds_for  # noqa: E402
+from dsparse_jax.config import cli
+from dsparse_jax.errors import UserError
+from dsparse_jax.reliability import files
+from dsparse_jax.rl.modes import kl_kinds_for
 
 DEFAULT_CONFIG = "configs/mini_longchain.py"
-
-
-def _floats(s: str) -> list[float]:
-    return [float(x) for x in s.split(",") if x]
-
-
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
 
 
 class Lab:
@@ -66,7 +55,7 @@ class Lab:
         import jax
 
         from dsparse_jax.config.validate import validate
-        from dsparse_jax.report import mechanism
+        from dsparse_jax.harness import lookups
         from dsparse_jax.report.metrics import MetricsWriter
         from dsparse_jax.train import context, distill, sft
 
@@ -82,7 +71,7 @@ class Lab:
             self.params, self.sft_accuracy = sft.warm_start(self.ctx, workdir, writer)
         finally:
             writer.close()
-        self.chars = mechanism.token_chars(self.ctx.tok)
+        self.chars = lookups.token_chars(self.ctx.tok)
 
         def per_token(params, lora, tokens, pages, *, twin_spec, lora_scale):
             """Per-token alpha and exact KL(sparse || dense) (kl_rev) of the rollout's
@@ -107,43 +96,31 @@ class Lab:
         sp = dataclasses.replace(self.ctx.rollout_spec.sparse, budget=budget)
         return dataclasses.replace(self.ctx.rollout_spec, sparse=sp)
 
-    def prompts(self, index: int, count: int):
-        from dsparse_jax.data import batches
+    def rollout(self, spec, index: int, count: int, key, lora=None, lora_scale=1.0, forced=None):
+        """The scored rollout (train/rollouts.py; its rollout on the host) of RL prompts
+        index.. x rl.samples_per_prompt, or of the `forced` rows (one per sample)."""
+        import dataclasses
+
+        import jax
+
+        from dsparse_jax.train import rollouts
         from dsparse_jax.train.rl_state import RL_DATA_OFFSET
 
         probs = self.ctx.task.problems("train", RL_DATA_OFFSET + index, count, self.config.seed)
-        pr, ln = batches.encode_prompts(self.ctx.tok, probs, self.ctx.task.prompt_buffer())
-        return probs, pr, ln
-
-    def sampling(self, n: int):
-        from dsparse_jax.sampling.sampler import SamplingConfig
-
-        return SamplingConfig(
-            max_new_tokens=self.ctx.task.completion_budget(),
-            eos_id=self.ctx.tok.eos_id,
-            pad_id=self.ctx.tok.pad_id,
-            temperature=self.config.rl.temperature,
-            samples_per_prompt=n,
+        n = self.config.rl.samples_per_prompt
+        if forced is not None:  # one row per sample: each prompt repeated
+            n, probs = 1, [p for p in probs for _ in range(forced.shape[0] // count)]
+        scfg = rollouts.sampling_config(self.ctx, self.config.rl.temperature, n)
+        rolled = rollouts.roll_out(
+            self.ctx, self.params, probs, key, scfg, spec, lora, lora_scale, forced=forced
         )
-
-    def rollout(self, spec, index: int, count: int, key, lora=None, lora_scale=1.0, forced=None):
-        """(problems, rollout) of `count` prompts x rl.samples_per_prompt (1 if forced)."""
-        import jax
-
-        probs, pr, ln = self.prompts(index, count)
-        n = 1 if forced is not None else self.config.rl.samples_per_prompt
-        if forced is not None:  # forced rows are already one per sample
-            pr, ln = pr.repeat(forced.shape[0] // count, 0), ln.repeat(forced.shape[0] // count)
-        r = self.ctx.sampler(
-            self.params, pr, ln, key, self.sampling(n), spec, lora, lora_scale, forced_BxS=forced
-        )
-        return probs, jax.device_get(r)
+        return dataclasses.replace(rolled, rollout=jax.device_get(rolled.rollout))
 
     def analyse(self, r, spec, lora=None, lora_scale=1.0) -> tuple[dict, list, dict]:
         """(summary, steps, hits) of a rollout: the KL/alpha splits by hit and miss."""
         import numpy as np
 
-        from dsparse_jax.report import mechanism
+        from dsparse_jax.harness import lookups
 
         tok = self.per_token(
             self.params, lora, r.tokens, r.pages(), twin_spec=spec, lora_scale=lora_scale
@@ -152,11 +129,11 @@ class Lab:
         found = []
         for b in range(r.tokens.shape[0]):
             length = int(r.prompt_lengths[b] + r.completion_lengths[b])
-            text = mechanism.row_text(r.tokens[b], length, self.chars)
-            found += mechanism.find_steps(b, text, int(r.prompt_lengths[b]))
+            text = lookups.row_text(r.tokens[b], length, self.chars)
+            found += lookups.find_steps(b, text, int(r.prompt_lengths[b]))
         page_ids = {i: np.asarray(x) for i, x in r.page_ids.items()}
-        hit = mechanism.hits(found, page_ids, spec.page_size)
-        out = mechanism.summarize(found, hit, kl, alpha, np.asarray(r.completion_mask))
+        hit = lookups.hits(found, page_ids, spec.page_size)
+        out = lookups.summarize(found, hit, kl, alpha, np.asarray(r.completion_mask))
         mask = np.asarray(r.completion_mask) > 0
         out["kl_mean"] = float(kl[mask].mean())
         out["alpha_mean"] = float(alpha[mask].mean())
@@ -168,7 +145,6 @@ def cmd_lookups(lab: Lab, args, save) -> dict:
     import numpy as np
 
     from dsparse_jax.model.transformer import sparse_layers
-    from dsparse_jax.train.evaluation import score
 
     rows = []
     result = {
@@ -183,8 +159,8 @@ def cmd_lookups(lab: Lab, args, save) -> dict:
     for budget in args.budgets:
         spec = lab.spec(budget)
         t = time.time()
-        probs, r = lab.rollout(spec, 0, args.prompts, jax.random.key(lab.config.seed + 21))
-        rewards = score(lab.ctx.tok, r, probs, lab.ctx.rewarder)[0].rewards
+        rolled = lab.rollout(spec, 0, args.prompts, jax.random.key(lab.config.seed + 21))
+        r, rewards = rolled.rollout, rolled.scored.rewards
         out, _, _ = lab.analyse(r, spec)
         out.update(budget=budget, reward=float(np.mean(rewards)), seconds=time.time() - t)
         out["completion_tokens_mean"] = float(np.mean(r.completion_lengths))
@@ -226,7 +202,7 @@ def cmd_distill(lab: Lab, args, save) -> dict:
     c = lab.config
     replay = []
     for i in range(args.replay):  # the naive sparse actor's rollouts, with their pages
-        _, r = lab.rollout(spec, i * args.prompts, args.prompts, jax.random.key(100 + i))
+        r = lab.rollout(spec, i * args.prompts, args.prompts, jax.random.key(100 + i)).rollout
         replay.append(
             {
                 "tokens": r.tokens,
@@ -333,7 +309,7 @@ def _kl_point(lab: Lab, spec, lora, replay_mb, fresh_index: int, prompts: int) -
     mask = np.asarray(replay_mb["mask"]) > 0
     kl_in = float(np.asarray(tok["kl_rev"])[mask].mean())
     key = jax.random.key(7)  # the same fresh prompts and key at every point
-    _, r = lab.rollout(spec, fresh_index, prompts, key, lora, scale)
+    r = lab.rollout(spec, fresh_index, prompts, key, lora, scale).rollout
     out, _, _ = lab.analyse(r, spec, lora, scale)
     return {
         "kl_in_sample": kl_in,
@@ -351,20 +327,19 @@ def _selection_effect(lab: Lab, spec, lora, fresh_index: int, count: int) -> dic
     import jax
     import numpy as np
 
-    from dsparse_jax.report import mechanism
+    from dsparse_jax.harness import lookups
 
     scale = lab.ctx.lora_cfg.scale
-    _, r_phi = lab.rollout(spec, fresh_index, count, jax.random.key(8), lora, scale)
-    _, r_theta = lab.rollout(
-        spec, fresh_index, count, jax.random.key(8), forced=np.asarray(r_phi.tokens)
-    )
+    r_phi = lab.rollout(spec, fresh_index, count, jax.random.key(8), lora, scale).rollout
+    forced = np.asarray(r_phi.tokens)
+    r_theta = lab.rollout(spec, fresh_index, count, jax.random.key(8), forced=forced).rollout
     assert np.array_equal(r_theta.tokens, r_phi.tokens)
     mask = np.asarray(r_phi.completion_mask) > 0
     own, steps, hit_phi = lab.analyse(r_phi, spec, lora, scale)
     theta_pages = r_phi.replace(page_ids=r_theta.page_ids)
     on_theta, _, _ = lab.analyse(theta_pages, spec, lora, scale)
     theta_ids = {i: np.asarray(x) for i, x in r_theta.page_ids.items()}
-    hit_theta = mechanism.hits(steps, theta_ids, spec.page_size)
+    hit_theta = lookups.hits(steps, theta_ids, spec.page_size)
     return {
         "page_overlap": _page_overlap(r_phi.page_ids, r_theta.page_ids, mask),
         "hit_rate_phi_pages": _all_hit(hit_phi),
@@ -400,7 +375,7 @@ def cmd_selection(lab: Lab, args, save) -> dict:
     import jax
     import numpy as np
 
-    from dsparse_jax.report import mechanism
+    from dsparse_jax.harness import lookups
 
     flat = lab.spec(args.budget)
     two_level = {}  # "G:C" -> spec, every entry checked before the first rollout
@@ -411,7 +386,7 @@ def cmd_selection(lab: Lab, args, save) -> dict:
         except ValueError as e:
             raise UserError(f"--groups: {entry!r}: {e}") from None
         two_level[entry] = dataclasses.replace(flat, sparse=sp)
-    _, r = lab.rollout(flat, 0, args.prompts, jax.random.key(lab.config.seed + 31))
+    r = lab.rollout(flat, 0, args.prompts, jax.random.key(lab.config.seed + 31)).rollout
     mask = np.asarray(r.completion_mask) > 0
     base, steps, hit_flat = lab.analyse(r, flat)
     rows = []
@@ -423,7 +398,7 @@ def cmd_selection(lab: Lab, args, save) -> dict:
         "rows": rows,
     }
     for entry, two in two_level.items():
-        _, r_two = lab.rollout(two, 0, args.prompts, jax.random.key(0), forced=r.tokens)
+        r_two = lab.rollout(two, 0, args.prompts, jax.random.key(0), forced=r.tokens).rollout
         assert np.array_equal(r_two.tokens, r.tokens)
         on_two, _, _ = lab.analyse(r.replace(page_ids=r_two.page_ids), two)
         ids_two = {i: np.asarray(x) for i, x in r_two.page_ids.items()}
@@ -432,7 +407,7 @@ def cmd_selection(lab: Lab, args, save) -> dict:
             "candidate_groups": two.sparse.candidate_groups,
             "page_overlap": _page_overlap(r.page_ids, r_two.page_ids, mask),
             "kl_mean": on_two["kl_mean"],
-            "hit_rate": _all_hit(mechanism.hits(steps, ids_two, flat.page_size)),
+            "hit_rate": _all_hit(lookups.hits(steps, ids_two, flat.page_size)),
         }
         print(f"[selection] {entry}: {row}", flush=True)
         rows.append(row)
@@ -442,21 +417,23 @@ def cmd_selection(lab: Lab, args, save) -> dict:
 
 def main(argv: list[str]) -> int:
     path, overrides, rest = cli.split_config_args(argv)
-    p = cli.ArgumentParser(prog="mechanism.py", description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(
+        prog="python -m dsparse_jax.harness.mechanism", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("command", choices=("lookups", "distill", "selection"))
     p.add_argument("--workdir", required=True, help="run directory with a finished SFT")
     p.add_argument("--out", default=None, help="JSON output (default <workdir>/mechanism/)")
     p.add_argument("--prompts", type=int, default=8, help="prompts per rollout batch")
-    p.add_argument("--budgets", type=_ints, default=[6, 8, 12], help="lookups: budgets")
+    p.add_argument("--budgets", type=cli.comma_list(int), default=[6, 8, 12], help="lookups")
     p.add_argument("--budget", type=int, default=8, help="distill, selection: the budget")
     p.add_argument(
         "--groups",
-        type=lambda s: s.split(","),
+        type=cli.comma_list(),
         default=["4:5", "4:8", "2:8"],
         help="selection: group_pages:candidate_groups per two-level setting",
     )
-    p.add_argument("--kls", type=lambda s: s.split(","), default=["k3", "exact_reverse"])
-    p.add_argument("--lrs", type=_floats, default=[1e-3, 1e-2], help="LoRA learning rates")
+    p.add_argument("--kls", type=cli.comma_list(), default=["k3", "exact_reverse"])
+    p.add_argument("--lrs", type=cli.comma_list(float), default=[1e-3, 1e-2], help="phi's")
     p.add_argument("--steps", type=int, default=100, help="phi steps per (kl, lr)")
     p.add_argument("--every", type=int, default=20, help="steps between KL measurements")
     p.add_argument("--replay", type=int, default=4, help="recorded rollout batches")
