@@ -76,17 +76,17 @@ def _problems(n, answer="5"):
     return [Problem(prompt=f"q{i}", solution="", answer=answer) for i in range(n)]
 
 
-def _rewarder(spec, **kw):
-    return rewarder.Rewarder(fn=spec, **kw)
+def _rewarder(ref, **kw):
+    return rewarder.Rewarder(fn=ref, **kw)
 
 
-def test_split_spec():
-    assert user.split_spec("r.py") == ("r.py", "compute_score", True)
-    assert user.split_spec("a/b/r.py:fn") == ("a/b/r.py", "fn", True)
-    assert user.split_spec("pkg.mod:fn") == ("pkg.mod", "fn", False)
-    assert user.split_spec("pkg.mod.fn") == ("pkg.mod", "fn", False)
+def test_split_ref():
+    assert user.split_ref("r.py") == ("r.py", "compute_score", True)
+    assert user.split_ref("a/b/r.py:fn") == ("a/b/r.py", "fn", True)
+    assert user.split_ref("pkg.mod:fn") == ("pkg.mod", "fn", False)
+    assert user.split_ref("pkg.mod.fn") == ("pkg.mod", "fn", False)
     with pytest.raises(UserError, match="config.reward.fn"):
-        user.split_spec("nomodule")
+        user.split_ref("nomodule")
 
 
 def test_signature_detection():

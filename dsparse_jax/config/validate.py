@@ -226,20 +226,20 @@ def validate(c) -> None:
 
 
 def _validate_reward(c) -> None:
-    """reward.*: the specs parse, their files exist, one weight each; the grader's package.
+    """reward.*: the function references parse, their files exist, one weight each; the grader's package.
     (The functions themselves are imported, and their signatures checked, by the reward
     worker when the run is built.)"""
     from dsparse_jax.data.rewards import graders, rewarder, user
 
     r = c.reward
     try:
-        for spec in rewarder.parse_specs(r.fn):
-            if spec != user.BUILTIN:
-                target, _, is_file = user.split_spec(spec)
+        for ref in rewarder.parse_refs(r.fn):
+            if ref != user.BUILTIN:
+                target, _, is_file = user.split_ref(ref)
                 _check(
                     not is_file or os.path.isfile(target), "reward.fn", f"no such file {target!r}"
                 )
-        rewarder.parse_weights(r.weights, len(rewarder.parse_specs(r.fn)))
+        rewarder.parse_weights(r.weights, len(rewarder.parse_refs(r.fn)))
     except ConfigError:
         raise
     except UserError as e:  # its message names the field

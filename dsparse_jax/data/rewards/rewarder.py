@@ -1,7 +1,7 @@
 """`Rewarder`: a row's reward as the weighted sum of the built-in grader (graders.py) and
 users' own reward functions (user.py), config reward.*.
 
-`Rewarder(fns, weights, ...)`: reward.fn is a comma list of specs (user.py:
+`Rewarder(fns, weights, ...)`: reward.fn is a comma list of function references (user.py:
 path/to/file.py[:name] | package.module:name | builtin) with reward.weights; a row's
 reward is the weighted sum. A user function that raises, returns a non-number or runs past
 reward.timeout_s scores 0 on that row: the row counts in `reward_errors`, the first error
@@ -21,10 +21,10 @@ from dsparse_jax.data.rewards import graders, user
 from dsparse_jax.errors import UserError
 
 
-def parse_specs(fn: str) -> list[str]:
-    """reward.fn as a list of specs ("" -> the built-in grader alone)."""
-    specs = [s.strip() for s in str(fn).split(",") if s.strip()]
-    return specs or [user.BUILTIN]
+def parse_refs(fn: str) -> list[str]:
+    """reward.fn as a list of refs ("" -> the built-in grader alone)."""
+    refs = [s.strip() for s in str(fn).split(",") if s.strip()]
+    return refs or [user.BUILTIN]
 
 
 def parse_weights(weights: str, n: int) -> list[float]:
@@ -84,12 +84,12 @@ class Rewarder:
             )
         if grader == "math_verify":
             graders.load_math_verify()
-        self.specs = parse_specs(fn)
-        self.weights = parse_weights(weights, len(self.specs))
+        self.refs = parse_refs(fn)
+        self.weights = parse_weights(weights, len(self.refs))
         self.grader, self.format_reward = grader, format_reward
         self.max_error_fraction = max_error_fraction
-        self.names = _names(self.specs)
-        mine = [s for s in self.specs if s != user.BUILTIN]
+        self.names = _names(self.refs)
+        mine = [s for s in self.refs if s != user.BUILTIN]
         self._worker = user.RewardWorker(mine, timeout_s) if mine else None
         self._logged: set[str] = set()
 
@@ -122,21 +122,21 @@ class Rewarder:
         errors = np.zeros(len(completions), bool)
         metrics, first = {}, None
         rows = None
-        for spec, name, w in zip(self.specs, self.names, self.weights):
-            if spec == user.BUILTIN:
+        for ref, name, w in zip(self.refs, self.names, self.weights):
+            if ref == user.BUILTIN:
                 values = self.builtin(problems, completions)
             else:
                 rows = rows or [_row(p, c) for p, c in zip(problems, completions)]
-                outcomes = self._worker.call(self._worker_index(spec), rows)
+                outcomes = self._worker.call(self._worker_index(ref), rows)
                 values = np.array([o.get("value", 0.0) for o in outcomes], np.float32)
                 failed = np.array(["error" in o for o in outcomes])
                 errors |= failed
                 if failed.any():
                     bad = outcomes[int(np.argmax(failed))]
-                    first = first or f"{spec}: {bad['error']}"
-                    self._log_once(spec, bad)
+                    first = first or f"{ref}: {bad['error']}"
+                    self._log_once(ref, bad)
             total += w * values
-            if len(self.specs) > 1:
+            if len(self.refs) > 1:
                 metrics[f"reward_{name}"] = float(values.mean())
         n_err = int(errors.sum())
         metrics["reward_errors"] = n_err
@@ -149,15 +149,15 @@ class Rewarder:
             )
         return Scored(total, errors, metrics)
 
-    def _worker_index(self, spec: str) -> int:
-        return [s for s in self.specs if s != user.BUILTIN].index(spec)
+    def _worker_index(self, ref: str) -> int:
+        return [s for s in self.refs if s != user.BUILTIN].index(ref)
 
-    def _log_once(self, spec: str, outcome: dict) -> None:
-        if spec in self._logged:
+    def _log_once(self, ref: str, outcome: dict) -> None:
+        if ref in self._logged:
             return
-        self._logged.add(spec)
+        self._logged.add(ref)
         print(
-            f"[reward] WARNING: reward.fn {spec} failed on a row, which scores 0 "
+            f"[reward] WARNING: reward.fn {ref} failed on a row, which scores 0 "
             f"({outcome['error']}); every failed row is counted in the metric reward_errors, "
             "only this first one is printed:\n" + (outcome.get("traceback") or ""),
             file=sys.stderr,
@@ -169,11 +169,11 @@ class Rewarder:
             self._worker.close()
 
 
-def _names(specs: list[str]) -> list[str]:
+def _names(refs: list[str]) -> list[str]:
     """Metric names of the functions: their function names, made unique."""
     names = []
-    for s in specs:
-        base = s if s == user.BUILTIN else user.split_spec(s)[1]
+    for s in refs:
+        base = s if s == user.BUILTIN else user.split_ref(s)[1]
         name, k = base, 2
         while name in names:
             name, k = f"{base}{k}", k + 1

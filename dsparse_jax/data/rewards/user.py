@@ -1,7 +1,7 @@
 """Users' own reward functions (config reward.fn): loading, signature detection, and calls
 under a per-call timeout in a worker process.
 
-A reward is named by a spec:
+A reward is named by a function reference:
 
     path/to/file.py:name     a function in a Python file (without :name, compute_score)
     package.module:name      a function in an importable module (or package.module.name)
@@ -44,32 +44,32 @@ from dsparse_jax.errors import UserError
 
 VERL, BATCH = "verl", "batch"
 DEFAULT_NAME = "compute_score"  # verl's default custom_reward_function.name
-BUILTIN = "builtin"  # the spec of the in-house grader (rewards/graders.py) in a reward.fn list
+BUILTIN = "builtin"  # the reference of the in-house grader (rewards/graders.py) in a reward.fn list
 _GRACE_S = 5.0  # the parent's backstop past the worker's own per-call alarm
 
 
-def split_spec(spec: str) -> tuple[str, str, bool]:
-    """(file path or module, function name, is_file) of a spec."""
-    spec = spec.strip()
-    if not spec:
-        raise UserError("config.reward.fn: empty reward spec")
-    target, sep, name = spec.rpartition(":")
+def split_ref(ref: str) -> tuple[str, str, bool]:
+    """(file path or module, function name, is_file) of a function reference."""
+    ref = ref.strip()
+    if not ref:
+        raise UserError("config.reward.fn: empty function reference")
+    target, sep, name = ref.rpartition(":")
     if not sep or "/" in name or name.endswith(".py"):  # no ':name' part
-        target, name = spec, ""
+        target, name = ref, ""
     if target.endswith(".py"):
         return target, name or DEFAULT_NAME, True
     if not name:  # package.module.name
         target, _, name = target.rpartition(".")
     if not target or not name.isidentifier():
         raise UserError(
-            f"config.reward.fn: {spec!r} is not path/to/file.py[:name] or package.module:name"
+            f"config.reward.fn: {ref!r} is not path/to/file.py[:name] or package.module:name"
         )
     return target, name, False
 
 
-def load_fn(spec: str):
-    """The function a spec names; a UserError naming config.reward.fn if it cannot be."""
-    target, name, is_file = split_spec(spec)
+def load_fn(ref: str):
+    """The function a reference names; a UserError naming config.reward.fn if it cannot be."""
+    target, name, is_file = split_ref(ref)
     try:
         if is_file:
             if not os.path.isfile(target):
@@ -92,12 +92,12 @@ def load_fn(spec: str):
     return fn
 
 
-def signature_kind(fn, spec: str = "") -> str:
+def signature_kind(fn, ref: str = "") -> str:
     """VERL or BATCH from the parameter names; a UserError for any other signature."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError) as e:
-        raise UserError(f"config.reward.fn: {spec}: cannot read its signature ({e})") from e
+        raise UserError(f"config.reward.fn: {ref}: cannot read its signature ({e})") from e
     names = list(params)
     if {"solution_str", "ground_truth"} <= set(names):
         return VERL
@@ -105,7 +105,7 @@ def signature_kind(fn, spec: str = "") -> str:
     if names[:2] == ["prompts", "completions"] and var_kw:
         return BATCH
     raise UserError(
-        f"config.reward.fn: {spec} has parameters ({', '.join(names)}); expected verl's "
+        f"config.reward.fn: {ref} has parameters ({', '.join(names)}); expected verl's "
         "compute_score(data_source, solution_str, ground_truth, extra_info) or tunix's "
         "fn(prompts, completions, **kwargs)"
     )
@@ -215,12 +215,12 @@ def call_rows(fn, kind: str, rows: list[dict], timeout_s: float):
 
 
 # ------------------------------------------------------------------------- worker process
-def _serve(specs: list[str], timeout_s: float) -> None:
+def _serve(refs: list[str], timeout_s: float) -> None:
     """The worker: loads the functions, then answers {"fn": i, "rows": [...]} lines with
     one outcome line per row."""
     try:
-        fns = [load_fn(s) for s in specs]
-        kinds = [signature_kind(f, s) for f, s in zip(fns, specs)]
+        fns = [load_fn(s) for s in refs]
+        kinds = [signature_kind(f, s) for f, s in zip(fns, refs)]
     except UserError as e:
         print(json.dumps({"error": str(e)}), flush=True)
         return
@@ -235,9 +235,9 @@ def _serve(specs: list[str], timeout_s: float) -> None:
 class RewardWorker:
     """The parent's side of the worker process: `kinds` of the functions, `call(i, rows)`."""
 
-    def __init__(self, specs: list[str], timeout_s: float, start_timeout_s: float = 120.0):
+    def __init__(self, refs: list[str], timeout_s: float, start_timeout_s: float = 120.0):
         # Relative file paths resolve against this process's directory.
-        self.specs = [_absolute(s) for s in specs]
+        self.refs = [_absolute(s) for s in refs]
         self.timeout_s, self.start_timeout_s = float(timeout_s), start_timeout_s
         self.proc = None
         self.kinds = self._start()
@@ -254,7 +254,7 @@ class RewardWorker:
                 sys.executable,
                 "-m",
                 "dsparse_jax.data.rewards.user",
-                json.dumps(self.specs),
+                json.dumps(self.refs),
                 str(self.timeout_s),
             ],
             stdin=subprocess.PIPE,
@@ -269,7 +269,7 @@ class RewardWorker:
             self.close()
             raise UserError(
                 f"config.reward.fn: the reward worker did not start within "
-                f"{self.start_timeout_s:g} s (importing {', '.join(self.specs)})"
+                f"{self.start_timeout_s:g} s (importing {', '.join(self.refs)})"
             )
         if "error" in first:
             self.close()
@@ -331,9 +331,9 @@ class RewardWorker:
         self.proc = None
 
 
-def _absolute(spec: str) -> str:
-    target, name, is_file = split_spec(spec)
-    return f"{os.path.abspath(target)}:{name}" if is_file else spec
+def _absolute(ref: str) -> str:
+    target, name, is_file = split_ref(ref)
+    return f"{os.path.abspath(target)}:{name}" if is_file else ref
 
 
 if __name__ == "__main__":
