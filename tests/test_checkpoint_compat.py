@@ -1,0 +1,79 @@
+"""RL checkpoints written by earlier code still resume. tests/data/rl_checkpoints_b45c56e
+holds run directories written at commit b45c56e (make.py there): phi with the quality
+head, the draft head, the history bank. Each resumes through the run's own path (its
+config.json, make_setup, init_state, the resume), every trainable read from its old keys
+into the right place."""
+
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from dsparse_jax.reliability import checkpoints
+from dsparse_jax.train import context, rl_loop, trained
+from tests.data.rl_checkpoints_b45c56e.make import BASE, CASES, STEP
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "data", "rl_checkpoints_b45c56e")
+
+
+def _check_marked(tree, base: float, what: str):
+    """make.marked's values: float leaf i = base + 0.001 * i, integer leaves 3."""
+    for i, x in enumerate(jax.tree.leaves(tree)):
+        x = np.asarray(x)
+        want = base + 0.001 * i if np.issubdtype(x.dtype, np.floating) else 3
+        np.testing.assert_array_equal(x, np.full(x.shape, want, x.dtype), err_msg=f"{what} {i}")
+
+
+def _entries(st) -> dict:
+    """checkpoint key -> the restored tree it must fill."""
+    return {
+        "params": st.params,
+        "opt_state": st.opt_state,
+        "lora": st.lora,
+        "lora_opt_state": st.lora_opt_state,
+        "quality_head": st.head,
+        "quality_head_opt_state": st.head_opt_state,
+        "draft_head": st.draft_head,
+        "draft_head_opt_state": st.draft_head_opt_state,
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_checkpoint_of_b45c56e_resumes(case, tmp_path):
+    workdir = str(tmp_path / case)
+    shutil.copytree(os.path.join(FIXTURES, case), workdir)
+    config = trained.workdir_config(workdir)
+    ctx = context.build(config)
+    setup = rl_loop.make_setup(ctx)
+    fresh = rl_loop.init_state(ctx, setup, ctx.init_params)
+    ckpt = checkpoints.Checkpointer(workdir, "checkpoints")
+    st, rng, step, skips, warmed = rl_loop._resume(
+        ckpt, fresh, jax.random.key(0), case, config.rl.prompts_per_step, setup.history
+    )
+    ckpt.close()
+    assert (step, skips, warmed) == (STEP, 1, config.distill.warmup_steps)
+    np.testing.assert_array_equal(jax.random.key_data(rng), jax.random.key_data(jax.random.key(5)))
+    present = {k: v for k, v in _entries(st).items() if v is not None}
+    want = {"params", "opt_state"} | {
+        "distillsparse_prune": {"lora", "lora_opt_state", "quality_head", "quality_head_opt_state"},
+        "speculative_draft_head": {"draft_head", "draft_head_opt_state"},
+        "speculative_history": set(),
+    }[case]
+    assert set(present) == want
+    for key, tree in present.items():
+        _check_marked(tree, BASE[key], key)
+    if setup.history is not None:
+        bank = setup.history.state()
+        assert bank["owned"][:2].all() and bank["keys"][:2].tolist() == [11, 12]
+        assert int(bank["clock"]) == 2 and (bank["lengths"] == 5).all()
+    if case != "speculative_history":  # the evaluator's and the exporter's read too
+        t = trained.load(ctx, workdir)
+        assert t.source == f"rl step {STEP}"
+        _check_marked(t.params, BASE["params"], "trained params")
+        for tree, key in ((t.lora, "lora"), (t.head, "quality_head"), (t.draft_head, "draft_head")):
+            if tree is not None:
+                _check_marked(tree, BASE[key], "trained " + key)
+    ctx.rewarder.close()
