@@ -442,7 +442,7 @@ def measure_sweep(
     """Mismatch of the naive sparse actor (theta from the SFT warm start, no adapter) vs
     the dense policy, per sparse.budget, without training: the sparse actor samples
     `prompts` x rl.samples_per_prompt completions of the RL prompt stream (batches_n
-    batches; the first includes the compile and is not timed) and distill.recompute
+    batches; the first includes the compile and is not timed) and recompute.dense_and_twin
     measures the exact per-token mismatch of its teacher-forced twin (the recorded pages)
     vs the dense policy. A dense rollout of the same prompts is the reference."""
     import dataclasses
@@ -458,7 +458,7 @@ def measure_sweep(
     from dsparse_jax.model.transformer import sparse_layers
     from dsparse_jax.report.metrics import MetricsWriter
     from dsparse_jax.sampling.sampler import SamplingConfig
-    from dsparse_jax.train import context, distill, rl_loop, sft
+    from dsparse_jax.train import context, recompute, rl_loop, sft
     from dsparse_jax.train.evaluation import score
 
     validate(config)
@@ -505,7 +505,7 @@ def measure_sweep(
                 toks.append(float(ncomp.sum()))
             scored, _ = score(ctx.tok, r, probs, ctx.rewarder)
             rewards.append(np.asarray(scored.rewards))
-            rec = distill.recompute(
+            rec = recompute.dense_and_twin(
                 params,
                 None,
                 r.tokens,
@@ -520,7 +520,7 @@ def measure_sweep(
                 bin_width=config.metrics.position_bin,
                 num_bins=n_bins,
             )
-            m = distill.flatten_metrics(jax.device_get(rec["metrics"]))
+            m = recompute.flatten_metrics(jax.device_get(rec["metrics"]))
             m["response_length_mean"] = float(ncomp.mean())
             per_batch.append(m)
         keys = sorted(set().union(*per_batch))

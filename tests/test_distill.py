@@ -22,7 +22,7 @@ from dsparse_jax.attention.spec import AttentionSpec, SparseSpec
 from dsparse_jax.model.lora import LoRAConfig, init_lora
 from dsparse_jax.rl.advantages import grpo_advantages
 from dsparse_jax.sampling.sampler import Rollout, Sampler, SamplingConfig
-from dsparse_jax.train import distill, phases, steps
+from dsparse_jax.train import distill, phases, recompute, steps
 from tests.test_lora import VOCAB, model_cfg, random_params
 
 # 2 layers: 0 local, 1 global and sparse. Page size 4, budget 3 pages (12 of up to 32
@@ -48,8 +48,8 @@ def setup():
     return cfg, graphdef, params, rollout
 
 
-def recompute(graphdef, params, lora, r):
-    return distill.recompute(
+def rec_of(graphdef, params, lora, r):
+    return recompute.dense_and_twin(
         params,
         lora,
         r.tokens,
@@ -90,7 +90,7 @@ def test_phi_steps_move_only_phi_and_lower_kl(case):
     )
     lora = init_lora(cfg, LCFG, jax.random.key(0))
     opt = tx.init(lora)
-    rec0 = recompute(graphdef, params, lora, r)
+    rec0 = rec_of(graphdef, params, lora, r)
     mb = {
         "tokens": r.tokens,
         "mask": r.completion_mask,
@@ -108,7 +108,7 @@ def test_phi_steps_move_only_phi_and_lower_kl(case):
         )
         assert float(m["skipped"]) == 0 and float(m["grad_norm"]) > 0
         if falling:
-            history.append(float(recompute(graphdef, params, lora, r)["metrics"][falling]))
+            history.append(float(rec_of(graphdef, params, lora, r)["metrics"][falling]))
     # theta: bitwise unchanged (and not an output); phi: moved.
     for a, b in zip(theta_before, leaves(params)):
         np.testing.assert_array_equal(a, b)
@@ -124,8 +124,8 @@ def test_dense_recompute_ignores_phi_and_twin_reproduces_rollout():
     lora0 = init_lora(cfg, LCFG, jax.random.key(0))  # what the rollout used
     rng = np.random.default_rng(7)
     lora1 = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.1, x.dtype), lora0)
-    a = recompute(graphdef, params, lora0, r)
-    b = recompute(graphdef, params, lora1, r)
+    a = rec_of(graphdef, params, lora0, r)
+    b = rec_of(graphdef, params, lora1, r)
     mask = np.asarray(r.completion_mask) > 0
     np.testing.assert_array_equal(np.asarray(a["dense_logp"]), np.asarray(b["dense_logp"]))
     assert np.abs(np.asarray(a["twin_logp"] - b["twin_logp"])[mask]).max() > 1e-3
@@ -136,7 +136,7 @@ def test_dense_recompute_ignores_phi_and_twin_reproduces_rollout():
     assert np.abs(np.asarray(a["dense_logp"] - a["twin_logp"])[mask]).max() > 1e-2
     # Chunked recompute (rows in 2 groups, as when the update uses 2 microbatches) gives
     # the same token log-probs and metrics (f32, 1e-5: only the matmul grouping differs).
-    c = distill.recompute(
+    c = recompute.dense_and_twin(
         params,
         lora0,
         r.tokens,
@@ -151,8 +151,8 @@ def test_dense_recompute_ignores_phi_and_twin_reproduces_rollout():
     )
     for k in ("dense_logp", "twin_logp", "dense_entropy"):
         np.testing.assert_allclose(np.asarray(c[k]), np.asarray(a[k]), atol=1e-5)
-    for k, v in distill.flatten_metrics(jax.device_get(a["metrics"])).items():
-        got = distill.flatten_metrics(jax.device_get(c["metrics"]))[k]
+    for k, v in recompute.flatten_metrics(jax.device_get(a["metrics"])).items():
+        got = recompute.flatten_metrics(jax.device_get(c["metrics"]))[k]
         assert got == pytest.approx(v, rel=1e-4, abs=1e-6, nan_ok=True), k
 
 
@@ -161,11 +161,11 @@ def test_kept_rows_metrics_from_all_rows_arrays():
     recompute) equal a recompute of those rows alone, and differ from the all-rows ones."""
     cfg, graphdef, params, r = setup()
     lora = init_lora(cfg, LCFG, jax.random.key(0))
-    every = recompute(graphdef, params, lora, r)
+    every = rec_of(graphdef, params, lora, r)
     rows = np.array([0, 2])
     kept = jax.tree.map(lambda x: x[rows], r)
     arrays = jax.tree.map(lambda x: x[rows], {k: v for k, v in every.items() if k != "metrics"})
-    got = distill.batch_metrics(
+    got = recompute.batch_metrics(
         arrays,
         kept.tokens,
         kept.prompt_lengths,
@@ -174,13 +174,13 @@ def test_kept_rows_metrics_from_all_rows_arrays():
         bin_width=REC["bin_width"],
         num_bins=REC["num_bins"],
     )
-    want = distill.flatten_metrics(
-        jax.device_get(recompute(graphdef, params, lora, kept)["metrics"])
+    want = recompute.flatten_metrics(
+        jax.device_get(rec_of(graphdef, params, lora, kept)["metrics"])
     )
-    got = distill.flatten_metrics(jax.device_get(got))
+    got = recompute.flatten_metrics(jax.device_get(got))
     for k, v in want.items():
         assert got[k] == pytest.approx(v, rel=1e-4, abs=1e-6, nan_ok=True), k
-    all_rows = distill.flatten_metrics(jax.device_get(every["metrics"]))
+    all_rows = recompute.flatten_metrics(jax.device_get(every["metrics"]))
     assert got["kl_exact"] != pytest.approx(all_rows["kl_exact"], rel=1e-3)
 
 
@@ -277,8 +277,8 @@ def test_mismatch_metrics_against_numpy():
     lsm = lambda x: x - np.log(np.exp(x).sum(-1, keepdims=True))
     ld, lt = lsm(dense), lsm(twin)
     pick = lambda l: np.take_along_axis(l, tok[..., None], -1)[..., 0]
-    metrics_fn = lambda d, t, *a: distill.mismatch_metrics(
-        distill.token_mismatch(d, t), *a, bin_width=2, num_bins=2
+    metrics_fn = lambda d, t, *a: recompute.mismatch_metrics(
+        recompute.token_mismatch(d, t), *a, bin_width=2, num_bins=2
     )
     got = jax.jit(metrics_fn)(
         jnp.asarray(dense),
@@ -286,9 +286,9 @@ def test_mismatch_metrics_against_numpy():
         jnp.asarray(pick(ld)),
         jnp.asarray(pick(lt)),
         jnp.asarray(mask),
-        distill.completion_positions(jnp.zeros((b, s)), jnp.asarray(prompt_lengths)),
+        recompute.completion_positions(jnp.zeros((b, s)), jnp.asarray(prompt_lengths)),
     )
-    got = distill.flatten_metrics(jax.device_get(got))
+    got = recompute.flatten_metrics(jax.device_get(got))
     on = mask > 0
     alpha = np.minimum(np.exp(ld), np.exp(lt)).sum(-1)
     kl_rev = (np.exp(lt) * (lt - ld)).sum(-1)  # KL(sparse || dense)

@@ -384,7 +384,7 @@ class Killed(Exception):
 
 def _twin_kl(run, setup, st, lora, r) -> float:
     """Exact KL(twin || dense) per token of rollout `r` with phi = `lora`."""
-    rec = phases._recompute_rollout(run, setup, dataclasses.replace(st, lora=lora), r)
+    rec = phases._recompute(run, setup, dataclasses.replace(st, lora=lora), r)
     return float(rec["metrics"]["kl_exact"])
 
 
@@ -483,7 +483,7 @@ def test_phi_row_stride_trains_on_every_sth_row_and_lowers_the_kl(ctx, monkeypat
     kl_before = _twin_kl(run, setup, st, st.lora, r)
     updates = _spy(monkeypatch, phases, "update_phi")
     batches = _spy(monkeypatch, phases, "_minibatch_updates")
-    recomputes = _spy(monkeypatch, phases, "_recompute_rollout")
+    recomputes = _spy(monkeypatch, phases, "_recompute")
     writer = MetricsWriter(str(tmp_path), tensorboard=False)
     warm = rl_loop.warm_start_phi(run, setup, st, writer)
     writer.close()
@@ -492,7 +492,7 @@ def test_phi_row_stride_trains_on_every_sth_row_and_lowers_the_kl(ctx, monkeypat
         kept, batch = upd[3].kept, mb[3]
         assert mb[0] is distill.phi_update and mb[5] == run.config.rl.minibatches == 2
         assert kept.tokens.shape[0] == 4 and batch["tokens"].shape[0] == 2
-        dense_logp = phases._recompute_rollout(*rec)["dense_logp"]  # the teacher (cached)
+        dense_logp = phases._recompute(*rec)["dense_logp"]  # the teacher (cached)
         for name, rows in (
             ("tokens", kept.tokens),
             ("mask", kept.completion_mask),

@@ -45,7 +45,8 @@ from dsparse_jax.train import distill, quality
 from dsparse_jax.train import draft_head as draft_head_train
 from dsparse_jax.train.context import RunContext
 from dsparse_jax.train.evaluation import score as grade
-from dsparse_jax.train.grpo import grpo_update, recompute_logprobs
+from dsparse_jax.train.grpo import grpo_update
+from dsparse_jax.train.recompute import flatten_metrics, logprobs, of_rollout, rollout_metrics
 from dsparse_jax.train.rl_state import RL_DATA_OFFSET, RLSetup, TrainState
 
 
@@ -109,45 +110,13 @@ def gather_rows(tree, rows, plan=None):
 
 
 def _chunks(setup: RLSetup, rows: int) -> int:
-    return math.gcd(rows, setup.recompute_chunks)
+    """Row groups of a no-gradient forward (recompute.Settings.row_chunks)."""
+    return math.gcd(rows, setup.recompute.row_chunks)
 
 
-def _draft_record(r: Rollout):
-    """(draft_start, draft_logprobs) of a speculative sparse_self rollout, else None: the
-    actor's twin is then the drafter (distill.recompute)."""
-    return None if r.draft_start is None else (r.draft_start, r.draft_logprobs)
-
-
-def _recompute_rollout(
-    ctx: RunContext, setup: RLSetup, st: TrainState, r: Rollout, twin: bool = True
-) -> dict:
-    """distill.recompute of the rows of `r`: dense theta and, with `twin`, the actor's twin."""
-    return distill.recompute(
-        st.params,
-        st.lora,
-        r.tokens,
-        r.prompt_lengths,
-        r.completion_mask,
-        r.pages(),
-        r.logprobs,
-        _draft_record(r),
-        graphdef=ctx.graphdef,
-        temperature=ctx.config.rl.temperature,
-        dense_spec=ctx.spec,
-        twin_spec=setup.twin_spec if twin else None,
-        lora_scale=setup.lora_scale,
-        chunks=_chunks(setup, r.tokens.shape[0]),
-        **_metric_settings(ctx, setup),
-    )
-
-
-def _metric_settings(ctx: RunContext, setup: RLSetup) -> dict:
-    """The static settings of the recompute's metrics (distill.batch_metrics)."""
-    return dict(
-        bin_width=ctx.config.metrics.position_bin,
-        num_bins=setup.num_bins,
-        draft_tokens=0 if setup.speculative is None else setup.speculative.draft_tokens,
-    )
+def _recompute(ctx, setup: RLSetup, st: TrainState, r: Rollout, twin: bool = True) -> dict:
+    """Dense theta and, with `twin`, the actor's twin on the rows of `r` (recompute.py)."""
+    return of_rollout(ctx.graphdef, st.params, st.lora, r, setup.recompute, twin)
 
 
 @jax.jit
@@ -387,19 +356,6 @@ def twin_step(ctx, setup: RLSetup, step: int) -> bool:
     return not setup.mode.twin_metrics_only or _every(ctx.config.metrics.twin_every, step)
 
 
-def _batch_metrics(ctx, setup: RLSetup, r: Rollout, rec: dict) -> dict:
-    """distill.batch_metrics of the rows of `r` from their recompute arrays `rec`."""
-    return distill.batch_metrics(
-        rec,
-        r.tokens,
-        r.prompt_lengths,
-        r.completion_mask,
-        r.logprobs,
-        _draft_record(r),
-        **_metric_settings(ctx, setup),
-    )
-
-
 def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key, step: int):
     """The oversampling filter keeps n of each prompt's M samples (rl.selection); GRPO
     advantages over the kept n. Selection by acceptance rate, and with M > n every
@@ -415,7 +371,7 @@ def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key
         kept_rows = pruned_kept_rows(len(rewards_all), setup.prune)
         r, rewards_all = gather_rows(r, kept_rows, plan), rewards_all[kept_rows]
     if big_m > n and (c.selection == "acceptance" or _all_rows_step(ctx, step)):
-        rec = _recompute_rollout(ctx, setup, st, r, twin_step(ctx, setup, step))  # all M rows
+        rec = _recompute(ctx, setup, st, r, twin_step(ctx, setup, step))  # all M rows
     rows, metrics = select_rows(
         rewards_all,
         n,
@@ -432,9 +388,9 @@ def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key
     if plan is not None:
         kept = plan.shard_batch(kept)
     if rec is not None:  # all M rows' figures as all_*; the kept rows' from their arrays
-        metrics.update(distill.flatten_metrics(jax.device_get(rec["metrics"]), "all_"))
+        metrics.update(flatten_metrics(jax.device_get(rec["metrics"]), "all_"))
         rec = gather_rows({k: v for k, v in rec.items() if k != "metrics"}, rows, plan)
-        rec["metrics"] = _batch_metrics(ctx, setup, kept, rec)
+        rec["metrics"] = rollout_metrics(rec, kept, setup.recompute)
     adv_B = grpo_advantages(jnp.asarray(rewards), n, scale_by_std=c.scale_adv_by_std)
     adv_B = sharding.as_global(plan, adv_B)
     if faults.action("rl_nan", step + 1) == "nan":  # test hook: a non-finite loss
@@ -517,12 +473,12 @@ def recompute(ctx, setup: RLSetup, st: TrainState, sel: Selected, ref_params, st
     c, kept = ctx.config.rl, sel.kept
     rec = sel.rec
     if rec is None:
-        rec = _recompute_rollout(ctx, setup, st, kept, twin_step(ctx, setup, step))
+        rec = _recompute(ctx, setup, st, kept, twin_step(ctx, setup, step))
     batch, metrics = theta_batch(
         setup.mode.name, kept, sel.adv, rec["dense_logp"], rec.get("twin_logp"), c
     )
     if setup.settings.kl_coef > 0:
-        batch["ref_logp"], _ = recompute_logprobs(
+        batch["ref_logp"], _ = logprobs(
             ref_params,
             kept.tokens,
             batch.get("pages"),
@@ -537,7 +493,7 @@ def recompute(ctx, setup: RLSetup, st: TrainState, sel: Selected, ref_params, st
             teacher_params = jax.tree.map(jnp.copy, st.params)
         else:
             teacher_logp = rec["dense_logp"]
-    flat = distill.flatten_metrics(jax.device_get(rec["metrics"]))
+    flat = flatten_metrics(jax.device_get(rec["metrics"]))
     metrics.update(flat)
     if setup.m == setup.n:  # the kept rows are all the generated rows
         metrics.update({"all_" + k: v for k, v in flat.items()})
@@ -620,7 +576,7 @@ def update_phi(ctx, setup: RLSetup, st: TrainState, sel: Selected, rec: Recomput
             teacher_params = st.params
         else:  # dense log-probs of the updated theta
             tokens = phi_batch["tokens"]
-            phi_batch["teacher_logp"], _ = recompute_logprobs(
+            phi_batch["teacher_logp"], _ = logprobs(
                 st.params,
                 tokens,
                 graphdef=ctx.graphdef,
@@ -653,7 +609,7 @@ def warmup_phi(ctx, setup: RLSetup, st: TrainState, key, i: int):
     k_roll, k_phi = jax.random.split(key)
     gen, metrics = rollout(ctx, setup, st, k_roll, 0, data_start=RL_DATA_OFFSET - (i + 1) * p)
     kept = gen.rollout if plan is None else plan.shard_batch(gen.rollout)
-    rec = _recompute_rollout(ctx, setup, st, kept)
+    rec = _recompute(ctx, setup, st, kept)
     adv_B = sharding.as_global(plan, jnp.zeros(kept.tokens.shape[0], jnp.float32))  # unread
     teacher_logp = rec["dense_logp"] if setup.distill.teacher == "cached" else None
     phi, phi_metrics = update_phi(
@@ -664,5 +620,5 @@ def warmup_phi(ctx, setup: RLSetup, st: TrainState, key, i: int):
         Recomputed(None, teacher_logp, None),
         k_phi,
     )
-    metrics.update(distill.flatten_metrics(jax.device_get(rec["metrics"])))
+    metrics.update(flatten_metrics(jax.device_get(rec["metrics"])))
     return phi, {**metrics, **phi_metrics}

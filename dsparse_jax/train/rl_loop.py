@@ -7,7 +7,7 @@ rollout mode's properties (rl.rollout_mode; the table is rl/modes.py):
 
 Off-policy corrections (rl.is_correction: tis | mis, against the rollout's log-probs mu)
 compose with any mode. Mismatch metrics (trainer-side twin of the actor vs the dense
-policy, exact from full logits) are logged every step; see distill.py.
+policy, exact from full logits) are logged every step; see recompute.py.
 
 Resumable: the checkpoint holds params, optimizer state, the RNG key (every step's
 rollout, filter and shuffle keys derive from it), the step, the data position and the

@@ -21,7 +21,7 @@ from dsparse_jax.sampling.history import HistoryBank
 from dsparse_jax.sampling.pruning import PruneConfig
 from dsparse_jax.sampling.sampler import buffer_length
 from dsparse_jax.sampling.speculative import SpeculativeConfig
-from dsparse_jax.train import distill, quality, steps
+from dsparse_jax.train import distill, quality, recompute, steps
 from dsparse_jax.train import draft_head as draft_head_train
 from dsparse_jax.train.context import RunContext
 from dsparse_jax.train.grpo import GRPOSettings
@@ -97,17 +97,13 @@ class RLSetup:
     tx: object
     settings: GRPOSettings  # theta's update; settings.spec is the trainer's attention
     rollout_spec: AttentionSpec  # the actor's attention
-    twin_spec: AttentionSpec | None  # the trainer-side twin of the actor (None: dense actor)
+    recompute: recompute.Settings  # dense theta and the actor's twin, their figures
     lora_scale: float = 1.0
     lora_tx: object = None
     distill: distill.DistillSettings | None = None  # phi's update (mode.updates_phi)
-    num_bins: int = 1
     plan: sharding.MeshPlan | None = None  # the device mesh (None: one device, unsharded)
     speculative: SpeculativeConfig | None = None  # rollout_mode=speculative: the drafter
     history: HistoryBank | None = None  # rl.draft=history: earlier rollouts, across steps
-    # Teacher-forced no-gradient forwards run in gcd(rows, this) chunks of rows: the
-    # update's microbatch size, the largest group the config already runs at once.
-    recompute_chunks: int = 1
     prune: PruneConfig | None = None  # online rollout pruning (rl.prune.enabled)
     prune_generated: int = 0  # M' rows generated per prompt when pruning
     head_cfg: quality_head.HeadConfig | None = None
@@ -225,12 +221,23 @@ def make_setup(ctx: RunContext) -> RLSetup:
         tx=optimizer_from(c, per_rl_step["theta"], c.num_steps),
         settings=settings_from(c, trainer_spec),
         rollout_spec=rollout_spec,
-        twin_spec=rollout_spec if mode.has_twin else None,
         lora_scale=lora_scale,
         lora_tx=lora_tx,
         distill=dset,
-        num_bins=bins,
-        recompute_chunks=c.minibatches * c.microbatches,
+        recompute=recompute.Settings(
+            temperature=c.temperature,
+            dense_spec=ctx.spec,
+            twin_spec=rollout_spec if mode.has_twin else None,
+            lora_scale=lora_scale,
+            # gcd(rows, this) rows per forward: the update's microbatch size, the largest
+            # group the config already runs at once
+            row_chunks=c.minibatches * c.microbatches,
+            bin_width=ctx.config.metrics.position_bin,
+            num_bins=bins,
+            draft_tokens=c.draft_tokens if mode.speculative else 0,
+            twin_every=ctx.config.metrics.twin_every,
+            all_rows_every=ctx.config.metrics.all_rows_every,
+        ),
         speculative=spec_cfg,
         history=bank,
         draft_head=(
