@@ -2,7 +2,8 @@
 holds run directories written at commit b45c56e (make.py there): phi with the quality
 head, the draft head, the history bank. Each resumes through the run's own path (its
 config.json, make_setup, init_state, the resume), every trainable read from its old keys
-into the right place."""
+into the right place; trained.load (evaluate.py, export.py) reads them too (at b45c56e it
+refused the history run's checkpoint: its template lacked the bank)."""
 
 import os
 import shutil
@@ -26,18 +27,27 @@ def _check_marked(tree, base: float, what: str):
         np.testing.assert_array_equal(x, np.full(x.shape, want, x.dtype), err_msg=f"{what} {i}")
 
 
+# checkpoint key of b45c56e -> (TrainState field, part): where each must be read into
+# (written out here rather than read from trainables.TRAINABLES: a renamed key must fail)
+WHERE = {
+    "params": ("theta", "params"),
+    "opt_state": ("theta", "opt_state"),
+    "lora": ("phi", "params"),
+    "lora_opt_state": ("phi", "opt_state"),
+    "quality_head": ("quality_head", "params"),
+    "quality_head_opt_state": ("quality_head", "opt_state"),
+    "draft_head": ("draft_head", "params"),
+    "draft_head_opt_state": ("draft_head", "opt_state"),
+}
+
+
 def _entries(st) -> dict:
-    """checkpoint key -> the restored tree it must fill."""
-    return {
-        "params": st.params,
-        "opt_state": st.opt_state,
-        "lora": st.lora,
-        "lora_opt_state": st.lora_opt_state,
-        "quality_head": st.head,
-        "quality_head_opt_state": st.head_opt_state,
-        "draft_head": st.draft_head,
-        "draft_head_opt_state": st.draft_head_opt_state,
-    }
+    """checkpoint key -> the restored tree it must fill (the entries this run has)."""
+    out = {}
+    for key, (name, part) in WHERE.items():
+        if getattr(st, name) is not None:
+            out[key] = getattr(getattr(st, name), part)
+    return out
 
 
 @pytest.mark.slow
@@ -51,12 +61,12 @@ def test_checkpoint_of_b45c56e_resumes(case, tmp_path):
     fresh = rl_loop.init_state(ctx, setup, ctx.init_params)
     ckpt = checkpoints.Checkpointer(workdir, "checkpoints")
     st, rng, step, skips, warmed = rl_loop._resume(
-        ckpt, fresh, jax.random.key(0), case, config.rl.prompts_per_step, setup.history
+        ckpt, fresh, jax.random.key(0), case, config.rl.prompts_per_step
     )
     ckpt.close()
     assert (step, skips, warmed) == (STEP, 1, config.distill.warmup_steps)
     np.testing.assert_array_equal(jax.random.key_data(rng), jax.random.key_data(jax.random.key(5)))
-    present = {k: v for k, v in _entries(st).items() if v is not None}
+    present = _entries(st)
     want = {"params", "opt_state"} | {
         "distillsparse_prune": {"lora", "lora_opt_state", "quality_head", "quality_head_opt_state"},
         "speculative_draft_head": {"draft_head", "draft_head_opt_state"},
@@ -65,15 +75,14 @@ def test_checkpoint_of_b45c56e_resumes(case, tmp_path):
     assert set(present) == want
     for key, tree in present.items():
         _check_marked(tree, BASE[key], key)
-    if setup.history is not None:
-        bank = setup.history.state()
+    if case == "speculative_history":
+        bank = st.history.state()
         assert bank["owned"][:2].all() and bank["keys"][:2].tolist() == [11, 12]
         assert int(bank["clock"]) == 2 and (bank["lengths"] == 5).all()
-    if case != "speculative_history":  # the evaluator's and the exporter's read too
-        t = trained.load(ctx, workdir)
-        assert t.source == f"rl step {STEP}"
-        _check_marked(t.params, BASE["params"], "trained params")
-        for tree, key in ((t.lora, "lora"), (t.head, "quality_head"), (t.draft_head, "draft_head")):
-            if tree is not None:
-                _check_marked(tree, BASE[key], "trained " + key)
+    t = trained.load(ctx, workdir)  # the evaluator's and the exporter's read too
+    assert t.source == f"rl step {STEP}"
+    _check_marked(t.params, BASE["params"], "trained params")
+    for tree, key in ((t.lora, "lora"), (t.head, "quality_head"), (t.draft_head, "draft_head")):
+        if tree is not None:
+            _check_marked(tree, BASE[key], "trained " + key)
     ctx.rewarder.close()

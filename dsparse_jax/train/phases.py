@@ -47,7 +47,8 @@ from dsparse_jax.train.context import RunContext
 from dsparse_jax.train.evaluation import score as grade
 from dsparse_jax.train.grpo import grpo_update
 from dsparse_jax.train.recompute import flatten_metrics, logprobs, of_rollout, rollout_metrics
-from dsparse_jax.train.rl_state import RL_DATA_OFFSET, RLSetup, TrainState
+from dsparse_jax.train.rl_state import RL_DATA_OFFSET, RLSetup
+from dsparse_jax.train.trainables import Trainable, TrainState
 
 
 class PhaseLog:
@@ -116,7 +117,7 @@ def _chunks(setup: RLSetup, rows: int) -> int:
 
 def _recompute(ctx, setup: RLSetup, st: TrainState, r: Rollout, twin: bool = True) -> dict:
     """Dense theta and, with `twin`, the actor's twin on the rows of `r` (recompute.py)."""
-    return of_rollout(ctx.graphdef, st.params, st.lora, r, setup.recompute, twin)
+    return of_rollout(ctx.graphdef, st.theta.params, st.lora, r, setup.recompute, twin)
 
 
 @jax.jit
@@ -132,18 +133,21 @@ def _correction_terms(old_logp, rollout_logp, mask, cap, lo, hi):
     }
 
 
-def _minibatch_updates(update, state, opt_state, batch, key, num_minibatches, plan=None, **kw):
-    """`update` over a random split of the batch's rows into minibatches, in sequence."""
+def _minibatch_updates(
+    update, trained: Trainable, batch, key, num_minibatches, plan=None, **kw
+) -> tuple[Trainable, list]:
+    """`update` of `trained` (its transform: tx) over a random split of the batch's rows
+    into minibatches, in sequence; the updated entry and each minibatch's metrics."""
     b = batch["tokens"].shape[0]
     if b % num_minibatches:
         raise ValueError(f"rollout batch {b} not divisible by rl.minibatches={num_minibatches}")
     order = np.asarray(jax.random.permutation(key, b)).reshape(num_minibatches, -1)
-    ms = []
+    state, opt_state, ms = trained.params, trained.opt_state, []
     for rows in order:
         mb = gather_rows(batch, rows, plan)
-        state, opt_state, m = update(state, opt_state, mb, **kw)
+        state, opt_state, m = update(state, opt_state, mb, tx=trained.tx, **kw)
         ms.append(m)
-    return state, opt_state, jax.device_get(ms)
+    return trained.replace(state, opt_state), jax.device_get(ms)
 
 
 def _summarize_updates(ms: list[dict], prefix: str = "") -> dict:
@@ -247,13 +251,13 @@ def rollout(
         samples_per_prompt=setup.m,
         grow_buffer_from=c.grow_buffer_from,
     )
-    if setup.speculative is not None:
+    if setup.drafting is not None:
         r, metrics = _speculative_rollout(ctx, setup, st, key, prompts, lengths, scfg)
         return Generated(batch_problems, r), metrics
-    if setup.prune is not None:  # M' rows per prompt, pruned to n (+ label rows) on the way
-        scfg = dataclasses.replace(scfg, samples_per_prompt=setup.prune_generated)
+    if setup.pruning is not None:  # M' rows per prompt, pruned to n (+ label rows) on the way
+        scfg = dataclasses.replace(scfg, samples_per_prompt=setup.pruning.generated)
         r, record = ctx.sampler(
-            st.params,
+            st.theta.params,
             prompts,
             lengths,
             key,
@@ -261,12 +265,12 @@ def rollout(
             setup.rollout_spec,
             st.lora,
             setup.lora_scale,
-            prune=setup.prune,
-            head=st.head,
+            prune=setup.pruning.config,
+            head=st.quality_head.params,
         )
         return Generated(batch_problems, r, record), {}
     r = ctx.sampler(
-        st.params, prompts, lengths, key, scfg, setup.rollout_spec, st.lora, setup.lora_scale
+        st.theta.params, prompts, lengths, key, scfg, setup.rollout_spec, st.lora, setup.lora_scale
     )
     return Generated(batch_problems, r), {}
 
@@ -274,7 +278,7 @@ def rollout(
 def _speculative_rollout(ctx, setup: RLSetup, st: TrainState, key, prompts, lengths, scfg):
     """rollout_mode=speculative: an exact rollout of the dense policy from verified drafts
     (rl.draft); the history drafter reads and then extends the bank of earlier rollouts."""
-    bank, history, slots = setup.history, None, None
+    d, bank, history, slots = setup.drafting, st.history, None, None
     if bank is not None:
         prompts_np, lengths_np = np.asarray(prompts), np.asarray(lengths)
         slots = bank.slots([prompt_key(p[:n]) for p, n in zip(prompts_np, lengths_np)])
@@ -282,15 +286,15 @@ def _speculative_rollout(ctx, setup: RLSetup, st: TrainState, key, prompts, leng
             slots, buffer_length(prompts_np.shape[1], scfg.max_new_tokens, ctx.spec.page_size)
         )
     head = None
-    if setup.draft_head is not None:
-        head = (setup.draft_head.graphdef, st.draft_head)
+    if d.head is not None:
+        head = (d.head.graphdef, st.draft_head.params)
     r, stats = ctx.spec_sampler(
-        st.params,
+        st.theta.params,
         prompts,
         lengths,
         key,
         scfg,
-        setup.speculative,
+        d.config,
         setup.rollout_spec,
         st.lora,
         setup.lora_scale,
@@ -299,7 +303,7 @@ def _speculative_rollout(ctx, setup: RLSetup, st: TrainState, key, prompts, leng
     )
     if bank is not None:
         bank.add(slots, r.tokens, r.lengths, scfg.samples_per_prompt)
-    k = setup.speculative.draft_tokens
+    k = d.config.draft_tokens
     metrics = jax.device_get(acceptance_summary(stats, k))
     return r, {name: float(v) for name, v in metrics.items()}
 
@@ -368,7 +372,7 @@ def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key
     generated = int(sharding.to_host(r.completion_lengths).sum())
     if gen.prune is not None:  # the kept n of each prompt; label rows only train the head
         generated = int(sharding.to_host(gen.prune.tokens_generated))
-        kept_rows = pruned_kept_rows(len(rewards_all), setup.prune)
+        kept_rows = pruned_kept_rows(len(rewards_all), setup.pruning.config)
         r, rewards_all = gather_rows(r, kept_rows, plan), rewards_all[kept_rows]
     if big_m > n and (c.selection == "acceptance" or _all_rows_step(ctx, step)):
         rec = _recompute(ctx, setup, st, r, twin_step(ctx, setup, step))  # all M rows
@@ -420,25 +424,26 @@ def update_head(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all
     made before this update: AUC and calibration, weighted by the rows each stands for),
     the reward variance of groups before and after pruning, tokens against an unpruned
     M'-row rollout; then `head_steps` BCE steps on the same rows."""
-    rec, prune = gen.prune, setup.prune
+    rec, prune = gen.prune, setup.pruning.config
     rec_h = jax.device_get(rec)
     rewards = np.asarray(rewards_all)
     f, y, w, s = quality.training_pairs(rec_h, rewards)
     cal = pruning_metrics.calibration(s, y, w)
-    head, opt_state, before, after = quality.head_update(
-        st.head,
-        st.head_opt_state,
+    head = st.quality_head
+    params, opt_state, before, after = quality.head_update(
+        head.params,
+        head.opt_state,
         jnp.asarray(f),
         jnp.asarray(y),
         jnp.asarray(w),
-        tx=setup.head_tx,
-        steps=setup.head_steps,
+        tx=head.tx,
+        steps=setup.pruning.head_steps,
     )
     per = prune.rows_per_prompt
     by_prompt = rewards.reshape(-1, per)
     lengths = sharding.to_host(gen.rollout.completion_lengths).astype(np.float64)
     label = np.asarray(rec_h.is_label)
-    pruned_rows = len(by_prompt) * (setup.prune_generated - per)  # never completed
+    pruned_rows = len(by_prompt) * (setup.pruning.generated - per)  # never completed
     fill = lengths[label].mean() if label.any() else lengths.mean()
     unpruned = lengths.sum() + pruned_rows * fill  # label rows: a random draw of the pruned
     generated = float(rec_h.tokens_generated)
@@ -462,7 +467,7 @@ def update_head(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all
         metrics[f"prune_head_auc_cp{c}"] = pruning_metrics.weighted_auc(
             np.asarray(rec_h.scores)[m, c], rewards[m] >= 1.0, np.asarray(rec_h.weight)[m]
         )
-    return (head, opt_state), metrics
+    return head.replace(params, opt_state), metrics
 
 
 def recompute(ctx, setup: RLSetup, st: TrainState, sel: Selected, ref_params, step: int = 0):
@@ -490,7 +495,7 @@ def recompute(ctx, setup: RLSetup, st: TrainState, sel: Selected, ref_params, st
     teacher_logp = teacher_params = None
     if setup.mode.updates_phi and setup.distill.teacher == "cached":
         if setup.distill.exact:  # the teacher's full logits: theta before its update
-            teacher_params = jax.tree.map(jnp.copy, st.params)
+            teacher_params = jax.tree.map(jnp.copy, st.theta.params)
         else:
             teacher_logp = rec["dense_logp"]
     flat = flatten_metrics(jax.device_get(rec["metrics"]))
@@ -502,47 +507,43 @@ def recompute(ctx, setup: RLSetup, st: TrainState, sel: Selected, ref_params, st
 
 def update_theta(ctx, setup: RLSetup, st: TrainState, rec: Recomputed, key):
     """PPO/GRPO over rl.minibatches minibatches of the kept rows (phi is not an input)."""
-    params, opt_state, ms = _minibatch_updates(
+    theta, ms = _minibatch_updates(
         grpo_update,
-        st.params,
-        st.opt_state,
+        st.theta,
         rec.theta_batch,
         key,
         ctx.config.rl.minibatches,
         setup.plan,
         graphdef=ctx.graphdef,
-        tx=setup.tx,
         settings=setup.settings,
     )
-    return (params, opt_state), _summarize_updates(ms)
+    return theta, _summarize_updates(ms)
 
 
 def update_draft_head(ctx, setup: RLSetup, st: TrainState, batch: dict, key, prefix="draft_head_"):
-    """rl.draft=draft_head, after theta's update (st.params is the new theta): the head's
+    """rl.draft=draft_head, after theta's update (st.theta is the new theta): the head's
     soft cross-entropy steps against the detached dense policy on `batch` {"tokens",
     "mask"} (the step's kept rows, or SFT solutions for the warm start), over
     rl.minibatches minibatches (train/draft_head.py)."""
-    h, c = setup.draft_head, ctx.config.rl
-    state, opt_state, ms = _minibatch_updates(
+    h, c = setup.drafting.head, ctx.config.rl
+    head, ms = _minibatch_updates(
         draft_head_train.head_update,
         st.draft_head,
-        st.draft_head_opt_state,
         batch,
         key,
         c.minibatches,
         setup.plan,
-        params=st.params,
+        params=st.theta.params,
         graphdef=ctx.graphdef,
         head_graphdef=h.graphdef,
         layers=h.layers,
-        tx=h.tx,
         steps=h.steps,
         temperature=c.temperature or 1.0,
         loss_weight=h.loss_weight,
         unroll=h.unroll,
     )
     metrics = {prefix + k: float(np.mean([m[k] for m in ms])) for k in ms[0]}
-    return (state, opt_state), metrics
+    return head, metrics
 
 
 def phi_rows(rows: int, stride: int) -> np.ndarray:
@@ -551,7 +552,7 @@ def phi_rows(rows: int, stride: int) -> np.ndarray:
 
 
 def update_phi(ctx, setup: RLSetup, st: TrainState, sel: Selected, rec: Recomputed, key):
-    """theta frozen (st.params is the updated theta): phi's updates on the same rollouts
+    """theta frozen (st.theta is the updated theta): phi's updates on the same rollouts
     (setup.distill: [L_PPO +] lambda D(actor, teacher)), against the dense teacher (cached
     before theta's update, or recomputed with the updated theta), on every
     distill.row_stride-th kept row. In a speculative sparse_self rollout the actor's twin
@@ -573,31 +574,29 @@ def update_phi(ctx, setup: RLSetup, st: TrainState, sel: Selected, rec: Recomput
     teacher_params = rec.teacher_params
     if setup.distill.teacher == "recomputed":
         if setup.distill.exact:  # the teacher's full logits come from a forward in the step
-            teacher_params = st.params
+            teacher_params = st.theta.params
         else:  # dense log-probs of the updated theta
             tokens = phi_batch["tokens"]
             phi_batch["teacher_logp"], _ = logprobs(
-                st.params,
+                st.theta.params,
                 tokens,
                 graphdef=ctx.graphdef,
                 temperature=c.temperature,
                 chunks=_chunks(setup, tokens.shape[0]),
             )
-    lora, lora_opt_state, ms = _minibatch_updates(
+    phi, ms = _minibatch_updates(
         distill.phi_update,
-        st.lora,
-        st.lora_opt_state,
+        st.phi,
         phi_batch,
         key,
         c.minibatches,
         setup.plan,
-        params=st.params,
+        params=st.theta.params,
         teacher_params=teacher_params,
         graphdef=ctx.graphdef,
-        tx=setup.lora_tx,
         settings=setup.distill,
     )
-    return (lora, lora_opt_state), _summarize_updates(ms, prefix="phi_")
+    return phi, _summarize_updates(ms, prefix="phi_")
 
 
 def warmup_phi(ctx, setup: RLSetup, st: TrainState, key, i: int):
