@@ -9,18 +9,20 @@
 - mismatch metrics: the direction and binning of the wiring, against numpy.
 """
 
+import dataclasses
 import functools
 import os
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
 from dsparse_jax.attention.spec import AttentionSpec, SparseSpec
 from dsparse_jax.model.lora import LoRAConfig, init_lora
+from dsparse_jax.rl import modes
 from dsparse_jax.rl.advantages import grpo_advantages
+from dsparse_jax.rl.corrections import Correction
 from dsparse_jax.sampling.sampler import Rollout, Sampler, SamplingConfig
 from dsparse_jax.train import distill, phases, recompute, steps
 from tests.test_lora import VOCAB, model_cfg, random_params
@@ -197,6 +199,9 @@ def _rollout(tokens, mask, logprobs, prompt_lengths=None, page_ids=None):
     )
 
 
+SPARSE_MODE = modes.get("sparse")
+
+
 def test_theta_batch_tis_mis_hand_values():
     rho = np.array([[1.0, 2.0, 0.25, 3.0, 1.5], [0.4, 0.6, 1.0, 1.0, 9.0]])
     mask = np.array([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], np.float32)
@@ -204,40 +209,38 @@ def test_theta_batch_tis_mis_hand_values():
     old = jnp.asarray(np.log(rho) + mu, jnp.float32)
     kept = _rollout(np.ones(rho.shape), mask, mu)
     adv = jnp.array([1.0, -1.0])
-    c = ml_collections.ConfigDict(
-        dict(is_correction="none", tis_cap=2.0, mis_lo=0.5, mis_hi=2.0, mis_level="token")
-    )
-    batch, m = phases.theta_batch("sparse", kept, adv, old, None, c)
+    c = Correction(kind="none", tis_cap=2.0, mis_lo=0.5, mis_hi=2.0, mis_level="token")
+    batch, m = phases.theta_batch(SPARSE_MODE, kept, adv, old, None, c)
     assert "is_weights" not in batch and "pages" not in batch
     np.testing.assert_array_equal(batch["mask"], mask)
     np.testing.assert_array_equal(batch["old_logp"], old)  # dense logp is pi_old
     assert m["tis_clip_frac"] == pytest.approx(2 / 9)  # 3.0 and 9.0 exceed C = 2
     assert m["mis_masked_frac"] == pytest.approx(4 / 9)  # 0.25, 3.0, 0.4, 9.0
 
-    c.is_correction = "tis"
-    batch, _ = phases.theta_batch("sparse", kept, adv, old, None, c)
+    c = dataclasses.replace(c, kind="tis")
+    batch, _ = phases.theta_batch(SPARSE_MODE, kept, adv, old, None, c)
     want = np.array([[1.0, 2.0, 0.25, 2.0, 0.0], [0.4, 0.6, 1.0, 1.0, 2.0]])
     np.testing.assert_allclose(batch["is_weights"], want, rtol=1e-6)
     np.testing.assert_array_equal(batch["mask"], mask)
 
-    c.is_correction = "mis"
-    batch, _ = phases.theta_batch("sparse", kept, adv, old, None, c)
+    c = dataclasses.replace(c, kind="mis")
+    batch, _ = phases.theta_batch(SPARSE_MODE, kept, adv, old, None, c)
     want = np.array([[1, 1, 0, 0, 0], [0, 1, 1, 1, 0]], np.float32)
     np.testing.assert_array_equal(batch["mask"], want)
     # Sequence level, geometric mean ratios: row 0 (1*2*.25*3)^(1/4) = 1.107 (in),
     # row 1 (.4*.6*1*1*9)^(1/5) = 1.167 (out of [0.5, 1.15]).
-    c.mis_level, c.mis_hi = "sequence", 1.15
-    batch, _ = phases.theta_batch("sparse", kept, adv, old, None, c)
+    c = dataclasses.replace(c, mis_level="sequence", mis_hi=1.15)
+    batch, _ = phases.theta_batch(SPARSE_MODE, kept, adv, old, None, c)
     np.testing.assert_array_equal(batch["mask"], np.array([[1, 1, 1, 1, 0], [0] * 5], np.float32))
 
     # sparse_train: the sparse twin is pi_old and the pages ride along.
     ids = {1: jnp.zeros((2, 5, 1, 3), jnp.int32)}
     kept = _rollout(np.ones(rho.shape), mask, mu, page_ids=ids)
     twin = old + 0.5
-    batch, _ = phases.theta_batch("sparse_train", kept, adv, old, twin, c)
+    batch, _ = phases.theta_batch(modes.get("sparse_train"), kept, adv, old, twin, c)
     np.testing.assert_array_equal(batch["old_logp"], twin)
     assert list(batch["pages"]) == [1]
-    batch, _ = phases.theta_batch("distillsparse", kept, adv, old, twin, c)
+    batch, _ = phases.theta_batch(modes.get("distillsparse"), kept, adv, old, twin, c)
     np.testing.assert_array_equal(batch["old_logp"], old)
     assert "pages" not in batch
 

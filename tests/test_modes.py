@@ -115,7 +115,7 @@ def test_mode_runs_two_steps(ctx, name, overrides, monkeypatch):
     rng = jax.random.key(0)
     for step in range(2):
         rng, k = jax.random.split(rng)
-        st, m = rl_loop.rl_step(run, setup, st, k, step)
+        st, m = phases.rl_step(run, setup, st, k, step)
         for key in (
             "reward",
             "loss",
@@ -192,7 +192,7 @@ def test_twin_every_skips_a_metrics_only_twin(ctx, monkeypatch):
     rng, got = jax.random.key(0), []
     for step in range(2):
         rng, k = jax.random.split(rng)
-        st, m = rl_loop.rl_step(run, setup, st, k, step)
+        st, m = phases.rl_step(run, setup, st, k, step)
         got.append(m)
     for key in TWIN_ONLY:
         assert math.isfinite(got[0][key]) and math.isfinite(got[0]["all_" + key]), key
@@ -201,12 +201,13 @@ def test_twin_every_skips_a_metrics_only_twin(ctx, monkeypatch):
         for key in ("kl_k3", "mu_dense_max_abs", "acceptance_frac_kept", "loss", "all_kl_k3"):
             assert math.isfinite(m[key]), key
         assert m["skipped_updates"] == 0
-    never = _with(ctx, metrics__twin_every=0)
+    never = dataclasses.replace(setup.recompute, twin_every=0)
     needs = {"sparse": False, "sparse_train": True, "distillsparse": True, "speculative": True}
     for mode, needed in needs.items():
         s = dataclasses.replace(setup, mode=modes.get(mode))
-        assert [phases.twin_step(never, s, i) for i in range(3)] == [needed] * 3, mode
-        assert phases.twin_step(run, s, 0) and phases.twin_step(run, s, 1) == needed, mode
+        s_never = dataclasses.replace(s, recompute=never)
+        assert [phases.twin_step(s_never, i) for i in range(3)] == [needed] * 3, mode
+        assert phases.twin_step(s, 0) and phases.twin_step(s, 1) == needed, mode
 
 
 @pytest.mark.slow
@@ -239,7 +240,7 @@ def test_speculative_mode_runs_two_steps(ctx, draft, monkeypatch, tmp_path):
     rng = jax.random.key(0)
     for step in range(2):
         rng, k = jax.random.split(rng)
-        st, m = rl_loop.rl_step(run, setup, st, k, step)
+        st, m = phases.rl_step(run, setup, st, k, step)
         assert m["skipped_updates"] == 0
         assert m["mu_dense_max_abs"] < 1e-3  # exact dense rollout: numerics only
         assert m["spec_accept_length"] >= 1.0 and math.isfinite(m["spec_accept_rate_1"])

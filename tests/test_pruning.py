@@ -259,7 +259,7 @@ def test_rl_step_with_pruning_trains_the_head_and_checkpoints_it(tmp_path, monke
     rng = jax.random.key(0)
     for step in range(2):
         rng, k = jax.random.split(rng)
-        st, m = rl_loop.rl_step(run, setup, st, k, step)
+        st, m = phases.rl_step(run, setup, st, k, step)
     for key in (
         "time_update_head",
         "prune_head_loss",

@@ -18,7 +18,6 @@ from dsparse_jax.config.validate import validate
 from dsparse_jax.parallel import sharding
 from dsparse_jax.reliability import checkpoints
 from dsparse_jax.sampling.sampler import Sampler
-from dsparse_jax.sampling.speculative import SpeculativeSampler
 from dsparse_jax.train import context, phases, rl_loop
 from dsparse_jax.train.evaluation import Evaluator
 
@@ -54,7 +53,6 @@ def base_ctx():
             "graphdef": graphdef,
             "init_params": params,
             "sampler": sampler,
-            "spec_sampler": SpeculativeSampler(graphdef),
             "evaluator": evaluator,
         }
     )
@@ -80,7 +78,7 @@ def _trees(st, *names) -> dict:
 def _one_step(ctx):
     setup = rl_loop.make_setup(ctx)
     st = rl_loop.init_state(ctx, setup, jax.tree.map(jnp.copy, ctx.init_params))
-    new, m = rl_loop.rl_step(ctx, setup, st, jax.random.key(7), 0)
+    new, m = phases.rl_step(ctx, setup, st, jax.random.key(7), 0)
     return setup, new, m
 
 

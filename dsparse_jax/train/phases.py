@@ -1,4 +1,4 @@
-"""The phases of one RL step, in order (METHOD.md, "Each RL iteration"):
+"""One RL step: `rl_step` runs its phases in order (METHOD.md, "Each RL iteration"):
 
   rollout       the actor samples M completions per prompt
   score         the task reward of every completion (host)
@@ -14,8 +14,10 @@
 
 Every phase is a function (ctx, setup, ...) -> (output, metrics); `PhaseLog.run` times
 each one the same way (time_<phase>, after its outputs are ready) and collects its
-metrics. Which attention, adapter and trainer a phase uses comes from the rollout mode's
-properties in setup.mode (rl/modes.py).
+metrics. The phases read their settings from setup (rl_state.RLSetup), never from the
+config; which attention, adapter and trainer a phase uses comes from the rollout mode's
+properties in setup.mode (rl/modes.py). An update phase returns its entry of the
+TrainState (trainables.Trainable), updated with the entry's own transform.
 """
 
 from __future__ import annotations
@@ -101,6 +103,52 @@ class Recomputed(NamedTuple):
     theta_batch: dict
     teacher_logp: jax.Array | None  # dense log-probs before theta's update (distill cached)
     teacher_params: Any  # theta before its update (exact KL with distill.teacher=cached)
+
+
+# -------------------------------------------------------------------------------- the step
+def rl_step(
+    ctx: RunContext,
+    setup: RLSetup,
+    st: TrainState,
+    rng,
+    step: int,
+    ref_params=None,
+    samples: list | None = None,
+):
+    """One RL iteration; returns (new TrainState, metrics). With a mesh (setup.plan) every
+    jitted phase runs under it; each process makes its own block of prompts. `samples`, if
+    given, receives a few {prompt, completion, reward} records of this step's rollouts
+    (log.num_samples, this process's rows)."""
+    with sharding.maybe_active(setup.plan):
+        if setup.plan is not None:  # the same key on every process, replicated on the mesh
+            rng = setup.plan.replicate(rng)
+        k_roll, k_select, k_theta, k_phi = jax.random.split(rng, 4)
+        k_draft = jax.random.fold_in(k_phi, 1)
+        log = PhaseLog()
+        gen = log.run("rollout", rollout, ctx, setup, st, k_roll, step)
+        faults.maybe_kill("rl_rollout", step + 1)
+        scored = log.run("score", score, ctx, setup, gen, step)
+        if samples is not None:
+            samples.extend(sample_records(gen, scored, setup.num_samples))
+        sel = log.run("select", select, ctx, setup, st, gen, scored.rewards, k_select, step)
+        head = st.quality_head
+        if gen.prune is not None:  # the quality head learns from this step's completed rows
+            head = log.run("update_head", update_head, ctx, setup, st, gen, scored.rewards)
+        rec = log.run("recompute", recompute, ctx, setup, st, sel, ref_params, step)
+        theta = log.run("update_theta", update_theta, ctx, setup, st, rec, k_theta)
+        faults.maybe_kill("rl_update", step + 1)
+        new = dataclasses.replace(st, theta=theta, quality_head=head)
+        if setup.mode.updates_phi:  # theta frozen: phi tracks the dense policy
+            new.phi = log.run("update_phi", update_phi, ctx, setup, new, sel, rec, k_phi)
+        if st.draft_head is not None:  # the drafter tracks the updated policy
+            batch = {"tokens": sel.kept.tokens, "mask": sel.kept.completion_mask}
+            new.draft_head = log.run(
+                "update_draft_head", update_draft_head, ctx, setup, new, batch, k_draft
+            )
+        m = log.summary()
+        tokens = m.get("tokens_generated", sharding.to_host(gen.rollout.completion_lengths).sum())
+        m["rollout_tokens_per_s"] = float(tokens / m["time_rollout"])
+        return new, m
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -200,17 +248,18 @@ def select_rows(
     return np.asarray(filtering.flat_kept_indices(idx, m)), metrics
 
 
-def theta_batch(mode: str, kept, adv_B, dense_logp, twin_logp, c):
+def theta_batch(
+    mode: modes.RolloutMode, kept, adv_B, dense_logp, twin_logp, c: corrections.Correction
+):
     """The theta update's batch and the off-policy correction metrics.
 
     old_logp: the trainer's policy before the update: the sparse twin (whose pages ride
     along in the batch) where the mode's trainer is sparse, else dense (theta, no
-    adapter). rl.is_correction (c: the rl config section) against the rollout's log-probs
-    mu: tis adds is_weights = min(pi_old / mu, tis_cap); mis replaces the mask with the
-    MIS mask (mis_level token | sequence). The TIS clip and MIS mask fractions are always
-    measured.
+    adapter). The correction `c` against the rollout's log-probs mu: tis adds is_weights =
+    min(pi_old / mu, tis_cap); mis replaces the mask with the MIS mask (mis_level token |
+    sequence). The TIS clip and MIS mask fractions are always measured.
     """
-    trainer_sparse = modes.get(mode).trainer_sparse
+    trainer_sparse = mode.trainer_sparse
     old_logp = twin_logp if trainer_sparse else dense_logp
     mask = kept.completion_mask
     batch = {"tokens": kept.tokens, "mask": mask, "old_logp": old_logp, "adv": adv_B}
@@ -218,9 +267,9 @@ def theta_batch(mode: str, kept, adv_B, dense_logp, twin_logp, c):
     if trainer_sparse and pages is not None:
         batch["pages"] = pages
     corr, corr_m = _correction_terms(old_logp, kept.logprobs, mask, c.tis_cap, c.mis_lo, c.mis_hi)
-    if c.is_correction == "tis":
+    if c.kind == "tis":
         batch["is_weights"] = corr["tis"]
-    elif c.is_correction == "mis":
+    elif c.kind == "mis":
         batch["mask"] = corr[f"mis_{c.mis_level}"]
     return batch, {k: float(v) for k, v in jax.device_get(corr_m).items()}
 
@@ -232,17 +281,18 @@ def rollout(
     """M samples per prompt from the actor (its attention and adapter: setup.mode) on RL step
     `step`'s prompts, or on those from training index `data_start` on. With a mesh each
     process makes its own block of prompts; the rollout is one global array."""
-    c, plan, p = ctx.config.rl, setup.plan, ctx.config.rl.prompts_per_step
+    plan, p = setup.plan, setup.prompts_per_step
     mine = slice(0, p) if plan is None else plan.local_slice(p)  # this process's prompts
     start = RL_DATA_OFFSET + step * p if data_start is None else data_start
     batch_problems = problems(
-        ctx.task, "train", start + mine.start, mine.stop - mine.start, ctx.config.seed
+        ctx.task, "train", start + mine.start, mine.stop - mine.start, setup.seed
     )
     prompts, lengths = batches.encode_prompts(
         ctx.tok, batch_problems, batches.prompt_buffer(ctx.task)
     )
     if plan is not None:  # one global batch-sharded array from every process's rows
         prompts, lengths = plan.global_batch(prompts), plan.global_batch(lengths)
+    c = ctx.config.rl  # read by the SamplingConfig below alone
     scfg = SamplingConfig(
         max_new_tokens=batches.completion_budget(ctx.task),
         eos_id=ctx.tok.eos_id,
@@ -288,7 +338,7 @@ def _speculative_rollout(ctx, setup: RLSetup, st: TrainState, key, prompts, leng
     head = None
     if d.head is not None:
         head = (d.head.graphdef, st.draft_head.params)
-    r, stats = ctx.spec_sampler(
+    r, stats = d.sampler(
         st.theta.params,
         prompts,
         lengths,
@@ -347,17 +397,17 @@ def _every(every: int, step: int) -> bool:
     return every > 0 and step % every == 0
 
 
-def _all_rows_step(ctx, step: int) -> bool:
+def _all_rows_step(setup: RLSetup, step: int) -> bool:
     """Whether this RL step's mismatch figures are also computed on all M generated rows
     (metrics.all_rows_every)."""
-    return _every(ctx.config.metrics.all_rows_every, step)
+    return _every(setup.recompute.all_rows_every, step)
 
 
-def twin_step(ctx, setup: RLSetup, step: int) -> bool:
+def twin_step(setup: RLSetup, step: int) -> bool:
     """Whether this RL step recomputes the actor's twin: every step where the trainer or
     phi needs it; where only the mismatch figures read it (mode.twin_metrics_only), every
     metrics.twin_every steps (0: never)."""
-    return not setup.mode.twin_metrics_only or _every(ctx.config.metrics.twin_every, step)
+    return not setup.mode.twin_metrics_only or _every(setup.recompute.twin_every, step)
 
 
 def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key, step: int):
@@ -366,7 +416,7 @@ def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key
     metrics.all_rows_every steps, recomputes all M rows first: their mismatch figures are
     logged as all_*, and the recompute phase reuses the kept rows' arrays (the twin on
     the steps `twin_step` says)."""
-    c, plan, n, big_m = ctx.config.rl, setup.plan, setup.n, setup.m
+    s, plan, n, big_m = setup.selection, setup.plan, setup.n, setup.m
     r = gen.rollout
     rec = None
     generated = int(sharding.to_host(r.completion_lengths).sum())
@@ -374,17 +424,17 @@ def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key
         generated = int(sharding.to_host(gen.prune.tokens_generated))
         kept_rows = pruned_kept_rows(len(rewards_all), setup.pruning.config)
         r, rewards_all = gather_rows(r, kept_rows, plan), rewards_all[kept_rows]
-    if big_m > n and (c.selection == "acceptance" or _all_rows_step(ctx, step)):
-        rec = _recompute(ctx, setup, st, r, twin_step(ctx, setup, step))  # all M rows
+    if big_m > n and (s.kind == "acceptance" or _all_rows_step(setup, step)):
+        rec = _recompute(ctx, setup, st, r, twin_step(setup, step))  # all M rows
     rows, metrics = select_rows(
         rewards_all,
         n,
         big_m,
         key,
-        selection=c.selection,
+        selection=s.kind,
         rollout=r,
         dense_logp=None if rec is None else rec["dense_logp"],
-        acceptance_c=c.acceptance_C,
+        acceptance_c=s.acceptance_c,
     )
     kept, rewards = r, rewards_all
     if big_m > n:
@@ -395,7 +445,7 @@ def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key
         metrics.update(flatten_metrics(jax.device_get(rec["metrics"]), "all_"))
         rec = gather_rows({k: v for k, v in rec.items() if k != "metrics"}, rows, plan)
         rec["metrics"] = rollout_metrics(rec, kept, setup.recompute)
-    adv_B = grpo_advantages(jnp.asarray(rewards), n, scale_by_std=c.scale_adv_by_std)
+    adv_B = grpo_advantages(jnp.asarray(rewards), n, scale_by_std=s.scale_adv_by_std)
     adv_B = sharding.as_global(plan, adv_B)
     if faults.action("rl_nan", step + 1) == "nan":  # test hook: a non-finite loss
         adv_B = adv_B * jnp.nan
@@ -475,21 +525,20 @@ def recompute(ctx, setup: RLSetup, st: TrainState, sel: Selected, ref_params, st
     actor's twin (on the steps `twin_step` says), exact mismatch metrics; theta's batch
     with its old log-probs and off-policy corrections; the reference log-probs
     (rl.kl_coef > 0); and, where phi is trained, its teacher cached before theta moves."""
-    c, kept = ctx.config.rl, sel.kept
-    rec = sel.rec
+    kept, rec = sel.kept, sel.rec
     if rec is None:
-        rec = _recompute(ctx, setup, st, kept, twin_step(ctx, setup, step))
+        rec = _recompute(ctx, setup, st, kept, twin_step(setup, step))
     batch, metrics = theta_batch(
-        setup.mode.name, kept, sel.adv, rec["dense_logp"], rec.get("twin_logp"), c
+        setup.mode, kept, sel.adv, rec["dense_logp"], rec.get("twin_logp"), setup.correction
     )
-    if setup.settings.kl_coef > 0:
+    if setup.grpo.kl_coef > 0:
         batch["ref_logp"], _ = logprobs(
             ref_params,
             kept.tokens,
             batch.get("pages"),
             graphdef=ctx.graphdef,
-            temperature=c.temperature,
-            spec=setup.settings.spec,
+            temperature=setup.grpo.temperature,
+            spec=setup.grpo.spec,
             chunks=_chunks(setup, kept.tokens.shape[0]),
         )
     teacher_logp = teacher_params = None
@@ -512,10 +561,10 @@ def update_theta(ctx, setup: RLSetup, st: TrainState, rec: Recomputed, key):
         st.theta,
         rec.theta_batch,
         key,
-        ctx.config.rl.minibatches,
+        setup.minibatches,
         setup.plan,
         graphdef=ctx.graphdef,
-        settings=setup.settings,
+        settings=setup.grpo,
     )
     return theta, _summarize_updates(ms)
 
@@ -525,20 +574,20 @@ def update_draft_head(ctx, setup: RLSetup, st: TrainState, batch: dict, key, pre
     soft cross-entropy steps against the detached dense policy on `batch` {"tokens",
     "mask"} (the step's kept rows, or SFT solutions for the warm start), over
     rl.minibatches minibatches (train/draft_head.py)."""
-    h, c = setup.drafting.head, ctx.config.rl
+    h = setup.drafting.head
     head, ms = _minibatch_updates(
         draft_head_train.head_update,
         st.draft_head,
         batch,
         key,
-        c.minibatches,
+        setup.minibatches,
         setup.plan,
         params=st.theta.params,
         graphdef=ctx.graphdef,
         head_graphdef=h.graphdef,
         layers=h.layers,
         steps=h.steps,
-        temperature=c.temperature or 1.0,
+        temperature=h.temperature,
         loss_weight=h.loss_weight,
         unroll=h.unroll,
     )
@@ -557,7 +606,7 @@ def update_phi(ctx, setup: RLSetup, st: TrainState, sel: Selected, rec: Recomput
     before theta's update, or recomputed with the updated theta), on every
     distill.row_stride-th kept row. In a speculative sparse_self rollout the actor's twin
     is the drafter (batch key draft_start)."""
-    c, kept, stride = ctx.config.rl, sel.kept, ctx.config.distill.row_stride
+    kept, stride = sel.kept, setup.phi_row_stride
     phi_batch = {
         "tokens": kept.tokens,
         "mask": kept.completion_mask,
@@ -581,7 +630,7 @@ def update_phi(ctx, setup: RLSetup, st: TrainState, sel: Selected, rec: Recomput
                 st.theta.params,
                 tokens,
                 graphdef=ctx.graphdef,
-                temperature=c.temperature,
+                temperature=setup.distill.temperature,
                 chunks=_chunks(setup, tokens.shape[0]),
             )
     phi, ms = _minibatch_updates(
@@ -589,7 +638,7 @@ def update_phi(ctx, setup: RLSetup, st: TrainState, sel: Selected, rec: Recomput
         st.phi,
         phi_batch,
         key,
-        c.minibatches,
+        setup.minibatches,
         setup.plan,
         params=st.theta.params,
         teacher_params=teacher_params,
@@ -604,7 +653,7 @@ def warmup_phi(ctx, setup: RLSetup, st: TrainState, key, i: int):
     rl_state.phi_warmup_setup): the actor's rollout (the mode's, with its draft record in
     speculative sparse_self) of the training prompts before RL's, the twin's mismatch
     figures on it, then phi's update towards theta, which stays frozen."""
-    plan, p = setup.plan, ctx.config.rl.prompts_per_step
+    plan, p = setup.plan, setup.prompts_per_step
     k_roll, k_phi = jax.random.split(key)
     gen, metrics = rollout(ctx, setup, st, k_roll, 0, data_start=RL_DATA_OFFSET - (i + 1) * p)
     kept = gen.rollout if plan is None else plan.shard_batch(gen.rollout)

@@ -1,23 +1,16 @@
-"""The RL loop. One iteration is a fixed sequence of phases (train/phases.py) over the
-rollout mode's properties (rl.rollout_mode; the table is rl/modes.py):
-
-  rollout (M per prompt) -> score -> select (n of M per prompt; GRPO advantages over the
-  kept n) -> recompute (teacher-forced dense + the actor's twin) -> update_theta ->
-  [update_phi: where the mode trains phi, e.g. distillsparse]
-
-Off-policy corrections (rl.is_correction: tis | mis, against the rollout's log-probs mu)
-compose with any mode. Mismatch metrics (trainer-side twin of the actor vs the dense
-policy, exact from full logits) are logged every step; see recompute.py.
+"""The RL loop: the warm starts before RL step 1, then RL steps (phases.rl_step: the
+phases in order over the rollout mode's properties, rl/modes.py), evaluation and
+checkpoint cadence, resume.
 
 Resumable: the checkpoint holds the TrainState (every trainable of the run with its
 optimizer state, and the history drafter's bank: train/trainables.py), the RNG key (every
 step's rollout, filter and shuffle keys derive from it), the step, the data position and
 the count of consecutive skipped steps; a restart continues exactly from the newest
 usable checkpoint in <workdir>/checkpoints (corrupt ones are skipped) and drops metrics of
-steps it is about to redo. phi's warm start
-(distill.warmup_steps, before RL step 1) ends with a checkpoint at step 0 marked so that
-a resume does not repeat it. A non-finite loss or gradient skips the update; rl.max_consecutive_skips in a row
-halt the run. See docs/reliability.md.
+steps it is about to redo. phi's warm start (distill.warmup_steps, before RL step 1) ends
+with a checkpoint at step 0 marked so that a resume does not repeat it. A non-finite loss
+or gradient skips the update; rl.max_consecutive_skips in a row halt the run. See
+docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -32,11 +25,11 @@ import numpy as np
 from dsparse_jax.data import batches
 from dsparse_jax.data.sources import problems
 from dsparse_jax.errors import UserError
-from dsparse_jax.parallel import sharding
 from dsparse_jax.reliability import checkpoints, faults
 from dsparse_jax.report.metrics import MetricsWriter, Progress
 from dsparse_jax.train import phases
 from dsparse_jax.train.context import RunContext
+from dsparse_jax.train.phases import rl_step
 from dsparse_jax.train.rl_state import (
     RL_DATA_OFFSET,
     RLSetup,
@@ -49,52 +42,6 @@ from dsparse_jax.train.trainables import OPTIONAL_KEYS as TRAINABLE_KEYS
 from dsparse_jax.train.trainables import Trainable, TrainState, from_tree, init_state, to_tree
 
 __all__ = ["RL_DATA_OFFSET", "evaluate", "init_state", "make_setup", "rl_step", "train_rl"]
-
-
-# ---------------------------------------------------------------------------------- one step
-def rl_step(
-    ctx: RunContext,
-    setup: RLSetup,
-    st: TrainState,
-    rng,
-    step: int,
-    ref_params=None,
-    samples: list | None = None,
-):
-    """One RL iteration; returns (new TrainState, metrics). With a mesh (setup.plan) every
-    jitted phase runs under it; each process makes its own block of prompts. `samples`, if
-    given, receives a few {prompt, completion, reward} records of this step's rollouts
-    (config.log.num_samples, this process's rows)."""
-    with sharding.maybe_active(setup.plan):
-        if setup.plan is not None:  # the same key on every process, replicated on the mesh
-            rng = setup.plan.replicate(rng)
-        k_roll, k_select, k_theta, k_phi = jax.random.split(rng, 4)
-        k_draft = jax.random.fold_in(k_phi, 1)
-        log = phases.PhaseLog()
-        gen = log.run("rollout", phases.rollout, ctx, setup, st, k_roll, step)
-        faults.maybe_kill("rl_rollout", step + 1)
-        scored = log.run("score", phases.score, ctx, setup, gen, step)
-        if samples is not None:
-            samples.extend(phases.sample_records(gen, scored, ctx.config.log.num_samples))
-        sel = log.run("select", phases.select, ctx, setup, st, gen, scored.rewards, k_select, step)
-        head = st.quality_head
-        if gen.prune is not None:  # the quality head learns from this step's completed rows
-            head = log.run("update_head", phases.update_head, ctx, setup, st, gen, scored.rewards)
-        rec = log.run("recompute", phases.recompute, ctx, setup, st, sel, ref_params, step)
-        theta = log.run("update_theta", phases.update_theta, ctx, setup, st, rec, k_theta)
-        faults.maybe_kill("rl_update", step + 1)
-        new = dataclasses.replace(st, theta=theta, quality_head=head)
-        if setup.mode.updates_phi:  # theta frozen: phi tracks the dense policy
-            new.phi = log.run("update_phi", phases.update_phi, ctx, setup, new, sel, rec, k_phi)
-        if st.draft_head is not None:  # the drafter tracks the updated policy
-            batch = {"tokens": sel.kept.tokens, "mask": sel.kept.completion_mask}
-            new.draft_head = log.run(
-                "update_draft_head", phases.update_draft_head, ctx, setup, new, batch, k_draft
-            )
-        m = log.summary()
-        tokens = m.get("tokens_generated", sharding.to_host(gen.rollout.completion_lengths).sum())
-        m["rollout_tokens_per_s"] = float(tokens / m["time_rollout"])
-        return new, m
 
 
 # ------------------------------------------------------------------------------- evaluation
@@ -269,7 +216,7 @@ def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
     writer.drop_after("eval", step if step else -1)
     writer.drop_after("phi_warmup", warmed)
     # A copy: the first update donates sft_params' buffers.
-    ref_params = jax.tree.map(jnp.copy, sft_params) if setup.settings.kl_coef > 0 else None
+    ref_params = jax.tree.map(jnp.copy, sft_params) if setup.grpo.kl_coef > 0 else None
     if setup.plan is not None:
         ref_params = setup.plan.shard_state(ref_params)
     if step == 0:

@@ -18,9 +18,10 @@ from dsparse_jax.data import batches
 from dsparse_jax.model import draft_head, quality_head
 from dsparse_jax.parallel import sharding
 from dsparse_jax.rl import modes
+from dsparse_jax.rl.corrections import Correction
 from dsparse_jax.sampling.pruning import PruneConfig
 from dsparse_jax.sampling.sampler import buffer_length
-from dsparse_jax.sampling.speculative import SpeculativeConfig
+from dsparse_jax.sampling.speculative import SpeculativeConfig, SpeculativeSampler
 from dsparse_jax.train import distill, recompute, steps
 from dsparse_jax.train.context import RunContext
 from dsparse_jax.train.grpo import GRPOSettings
@@ -28,7 +29,7 @@ from dsparse_jax.train.grpo import GRPOSettings
 RL_DATA_OFFSET = 10_000_000  # RL prompts come from train indices disjoint from SFT's
 
 
-def settings_from(c, spec: AttentionSpec = AttentionSpec()) -> GRPOSettings:
+def grpo_settings(c, spec: AttentionSpec = AttentionSpec()) -> GRPOSettings:
     return GRPOSettings(
         temperature=c.temperature,
         clip_low=c.clip_low,
@@ -92,12 +93,14 @@ class DraftHeadSetup:
     loss_weight: float
     warmup_steps: int
     unroll: int  # draft steps trained on its own unroll (train/draft_head.py)
+    temperature: float  # the policy's and the head's distributions (rl.temperature, or 1)
 
 
 @dataclasses.dataclass(frozen=True)
 class Drafting:
     """rollout_mode=speculative: the drafter (rl.draft) and what it drafts from."""
 
+    sampler: SpeculativeSampler
     config: SpeculativeConfig  # the speculative sampler's settings
     history_size: tuple[int, int, int] | None = None  # rl.draft=history: the bank's (prompts,
     # rows per prompt, width); the bank itself is run state (trainables.TrainState.history)
@@ -105,21 +108,42 @@ class Drafting:
 
 
 @dataclasses.dataclass(frozen=True)
+class Selection:
+    """The select phase: which n of each prompt's M samples it keeps, their advantages."""
+
+    kind: str  # rl.selection: reward | acceptance (rate vs the dense policy)
+    acceptance_c: float  # rl.acceptance_C
+    scale_adv_by_std: bool  # False: Dr. GRPO
+
+
+@dataclasses.dataclass(frozen=True)
 class RLSetup:
-    """What a run derives once from its config: static settings, specs, the mesh. The
-    trainables and their optimizers are run state (train/trainables.py)."""
+    """What a run derives once from its config: the phases (train/phases.py) read these
+    and nothing else of it. By phase, then by feature; the trainables and their optimizers
+    are run state (train/trainables.py)."""
 
     mode: modes.RolloutMode
-    n: int  # kept samples per prompt (GRPO group)
+    plan: sharding.MeshPlan | None  # the device mesh (None: one device, unsharded)
+    # rollout
+    prompts_per_step: int
+    seed: int  # config.seed: which training problems each step's prompts are
     m: int  # generated samples per prompt (M >= n)
-    settings: GRPOSettings  # theta's update; settings.spec is the trainer's attention
     rollout_spec: AttentionSpec  # the actor's attention
+    lora_scale: float  # phi's scale in the actor (1.0: no adapter)
+    pruning: Pruning | None  # rl.prune.enabled
+    drafting: Drafting | None  # rollout_mode=speculative
+    num_samples: int  # log.num_samples: prompts of each step recorded in samples.jsonl
+    # select
+    n: int  # kept samples per prompt (GRPO group)
+    selection: Selection
+    # recompute
     recompute: recompute.Settings  # dense theta and the actor's twin, their figures
-    lora_scale: float = 1.0
-    distill: distill.DistillSettings | None = None  # phi's update (mode.updates_phi)
-    plan: sharding.MeshPlan | None = None  # the device mesh (None: one device, unsharded)
-    pruning: Pruning | None = None  # rl.prune.enabled
-    drafting: Drafting | None = None  # rollout_mode=speculative
+    # the updates: each runs rl.minibatches minibatches per RL step
+    minibatches: int
+    grpo: GRPOSettings  # theta's; grpo.spec is the trainer's attention
+    correction: Correction  # theta's batch (rl.is_correction)
+    distill: distill.DistillSettings | None  # phi's (mode.updates_phi)
+    phi_row_stride: int  # distill.row_stride: phi trains on every this-th kept row
 
 
 def draft_head_setup(c, model_cfg) -> DraftHeadSetup:
@@ -137,6 +161,7 @@ def draft_head_setup(c, model_cfg) -> DraftHeadSetup:
         loss_weight=float(h.loss_weight),
         warmup_steps=h.warmup_steps,
         unroll=min(h.unroll, c.draft_tokens),  # a draft has draft_tokens steps to unroll
+        temperature=c.temperature or 1.0,
     )
 
 
@@ -172,14 +197,16 @@ def drafting_from(ctx: RunContext, mode: modes.RolloutMode) -> Drafting | None:
         ngram=c.history_ngram,
         record_pages=mode.updates_phi,  # the phi update's twin replays the draft's pages
     )
+    drafting = Drafting(SpeculativeSampler(ctx.graphdef), config)
     if c.draft == "history":
         width = buffer_length(
             batches.prompt_buffer(ctx.task), batches.completion_budget(ctx.task), ctx.spec.page_size
         )
-        return Drafting(config, history_size=(c.history_prompts, c.history_per_prompt, width))
+        size = (c.history_prompts, c.history_per_prompt, width)
+        return dataclasses.replace(drafting, history_size=size)
     if c.draft == "draft_head":
-        return Drafting(config, head=draft_head_setup(c, ctx.model_cfg))
-    return Drafting(config)
+        return dataclasses.replace(drafting, head=draft_head_setup(c, ctx.model_cfg))
+    return drafting
 
 
 def make_setup(ctx: RunContext) -> RLSetup:
@@ -213,14 +240,18 @@ def make_setup(ctx: RunContext) -> RLSetup:
     plan = sharding.plan_from_config(ctx.config)
     sharding.check_rl_batches(plan, c)
     return RLSetup(
-        plan=plan,
         mode=mode,
-        n=n,
+        plan=plan,
+        prompts_per_step=c.prompts_per_step,
+        seed=ctx.config.seed,
         m=m,
-        settings=settings_from(c, trainer_spec),
         rollout_spec=rollout_spec,
         lora_scale=lora_scale,
-        distill=dset,
+        pruning=pruning_from(c, ctx.model_cfg.d_model),
+        drafting=drafting_from(ctx, mode),
+        num_samples=ctx.config.log.num_samples,
+        n=n,
+        selection=Selection(c.selection, c.acceptance_C, c.scale_adv_by_std),
         recompute=recompute.Settings(
             temperature=c.temperature,
             dense_spec=ctx.spec,
@@ -235,8 +266,11 @@ def make_setup(ctx: RunContext) -> RLSetup:
             twin_every=ctx.config.metrics.twin_every,
             all_rows_every=ctx.config.metrics.all_rows_every,
         ),
-        pruning=pruning_from(c, ctx.model_cfg.d_model),
-        drafting=drafting_from(ctx, mode),
+        minibatches=c.minibatches,
+        grpo=grpo_settings(c, trainer_spec),
+        correction=Correction(c.is_correction, c.tis_cap, c.mis_lo, c.mis_hi, c.mis_level),
+        distill=dset,
+        phi_row_stride=ctx.config.distill.row_stride,
     )
 
 
