@@ -102,8 +102,9 @@ class Drafting:
 
     sampler: SpeculativeSampler
     config: SpeculativeConfig  # the speculative sampler's settings
-    history_size: tuple[int, int, int] | None = None  # rl.draft=history: the bank's (prompts,
-    # rows per prompt, width); the bank itself is run state (trainables.TrainState.history)
+    # rl.draft=history: the bank's (prompts, rows per prompt, width); the bank itself is run
+    # state (trainables.TrainState.history)
+    history_size: tuple[int, int, int] | None = None
     head: DraftHeadSetup | None = None  # rl.draft=draft_head
 
 
