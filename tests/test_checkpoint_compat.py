@@ -86,3 +86,32 @@ def test_checkpoint_of_b45c56e_resumes(case, tmp_path):
         if tree is not None:
             _check_marked(tree, BASE[key], "trained " + key)
     ctx.rewarder.close()
+
+
+@pytest.mark.slow
+def test_optional_entries_a_checkpoint_lacks_load_as_initialised(tmp_path):
+    """A checkpoint written before an optional trainable existed (here: without the quality
+    head, as if rl.prune were newly enabled) resumes; that entry starts as initialised."""
+    case = "distillsparse_prune"
+    config = trained.workdir_config(os.path.join(FIXTURES, case))
+    ctx = context.build(config)
+    setup = rl_loop.make_setup(ctx)
+    st = rl_loop.init_state(ctx, setup, ctx.init_params)
+    st.phi = st.phi.replace(jax.tree.map(lambda x: x + 0.5, st.lora), st.phi.opt_state)
+    position = rl_loop.RL_DATA_OFFSET + STEP * config.rl.prompts_per_step
+    tree = rl_loop._saveable(st, jax.random.key(5), STEP, position)
+    for key in ("quality_head", "quality_head_opt_state", "consecutive_skips"):
+        del tree[key]
+    ckpt = checkpoints.Checkpointer(str(tmp_path), "checkpoints")
+    ckpt.save(STEP, tree, force=True)
+    ckpt.wait()
+    fresh = rl_loop.init_state(ctx, setup, ctx.init_params)
+    head0 = [np.asarray(x) for x in jax.tree.leaves(fresh.quality_head)]
+    got, _, step, skips, _ = rl_loop._resume(ckpt, fresh, jax.random.key(0), case, 2)
+    ckpt.close()
+    assert (step, skips) == (STEP, 0)
+    for a, b in zip(jax.tree.leaves(got.quality_head), head0):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    for a, b in zip(jax.tree.leaves(got.phi), jax.tree.leaves(st.phi)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ctx.rewarder.close()
