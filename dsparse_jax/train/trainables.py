@@ -7,8 +7,9 @@ run has, and the history drafter's bank. Making it, placing it on the mesh, savi
 restoring it are each one loop over the table; an optional entry that a checkpoint lacks
 (written before the entry existed) restores as initialised.
 
-Adding a trainable: a TrainState field, a row here with its init, and its update phase
-(train/phases.py, called in rl_step).
+Adding a trainable: a TrainState field and a row here with its init; its update phase
+and the phase's call in rl_step (train/phases.py); its settings, if it has any beyond its
+optimizer, in RLSetup (train/rl_state.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 from flax import nnx
 
-from dsparse_jax.model import draft_head
+from dsparse_jax.model import draft_head, quality_head
 from dsparse_jax.model.lora import init_lora
 from dsparse_jax.sampling.history import HistoryBank
 from dsparse_jax.train import draft_head as draft_head_train
@@ -60,41 +61,38 @@ class TrainState:
 
 
 # ------------------------------------------------------------------------------- the table
-def _theta(ctx: RunContext, setup: RLSetup, params) -> Trainable:
+# Each init returns (initial parameters, transform), or None where the run has no such
+# entry; init_state places the parameters and makes the optimizer state from them.
+def _theta(ctx: RunContext, setup: RLSetup, params):
     c = ctx.config.rl
-    tx = optimizer_from(c, optimizer_steps_per_rl_step(c)["theta"], c.num_steps)
-    return Trainable(params, tx.init(params), tx)
+    return params, optimizer_from(c, optimizer_steps_per_rl_step(c)["theta"], c.num_steps)
 
 
-def _phi(ctx: RunContext, setup: RLSetup, params) -> Trainable | None:
+def _phi(ctx: RunContext, setup: RLSetup, params):
     """Where the actor applies phi; with an optimizer where the mode trains it."""
     if not setup.mode.actor_lora:
         return None
     lora = init_lora(ctx.model_cfg, ctx.lora_cfg, jax.random.key(ctx.config.seed + 3))
     if not setup.mode.updates_phi:
-        return Trainable(lora, None)
+        return lora, None
     c = ctx.config.rl
-    tx = optimizer_from(ctx.config.lora, optimizer_steps_per_rl_step(c)["phi"], c.num_steps)
-    return Trainable(lora, tx.init(lora), tx)
+    return lora, optimizer_from(ctx.config.lora, optimizer_steps_per_rl_step(c)["phi"], c.num_steps)
 
 
-def _quality_head(ctx: RunContext, setup: RLSetup, params) -> Trainable | None:
+def _quality_head(ctx: RunContext, setup: RLSetup, params):
     if setup.pruning is None:
         return None
-    tx = quality.make_tx(ctx.config.rl.prune.head_learning_rate)
-    key = jax.random.key(ctx.config.seed + 4)
-    head, opt_state = quality.init(setup.pruning.head, tx, key)
-    return Trainable(head, opt_state, tx)
+    head = quality_head.init_head(setup.pruning.head, jax.random.key(ctx.config.seed + 4))
+    return head, quality.make_tx(ctx.config.rl.prune.head_learning_rate)
 
 
-def _draft_head(ctx: RunContext, setup: RLSetup, params) -> Trainable | None:
+def _draft_head(ctx: RunContext, setup: RLSetup, params):
     if setup.drafting is None or setup.drafting.head is None:
         return None
     h = ctx.config.rl.draft_head
     head_cfg = draft_head.DraftHeadConfig(setup.drafting.head.layers)
     _, state = draft_head.create(ctx.model_cfg, head_cfg, jax.random.key(ctx.config.seed + 5))
-    tx = draft_head_train.make_tx(h.learning_rate, h.max_grad_norm)
-    return Trainable(state, tx.init(state), tx)
+    return state, draft_head_train.make_tx(h.learning_rate, h.max_grad_norm)
 
 
 class Entry(NamedTuple):
@@ -103,7 +101,7 @@ class Entry(NamedTuple):
     name: str  # its TrainState field
     params_key: str  # the checkpoint keys of its parameters
     opt_key: str  # and of its optimizer state
-    init: Callable  # (ctx, setup, theta's initial params) -> Trainable | None (not in this run)
+    init: Callable  # (ctx, setup, theta's initial params) -> (params, tx) | None (not in run)
     optional: bool = False  # may be absent from a checkpoint (written before it existed)
     saved_as: str = "leaves"  # a key of SAVED_AS
 
@@ -143,21 +141,20 @@ OPTIONAL_KEYS = tuple(k for e in TRAINABLES if e.optional for k in (e.params_key
 
 # ----------------------------------------------------------------------- the loops over it
 def init_state(ctx: RunContext, setup: RLSetup, params) -> TrainState:
-    """A fresh state on the mesh: theta from `params`, every other entry the run has."""
-    st = TrainState(**{e.name: e.init(ctx, setup, params) for e in TRAINABLES})
+    """A fresh state, on the mesh (rl_state.place): theta from `params`, every other entry
+    the run has; each optimizer state is made from the placed parameters."""
+    entries = {}
+    for e in TRAINABLES:
+        made = e.init(ctx, setup, params)
+        if made is not None:
+            p, tx = made
+            p = place(setup, p)
+            opt_state = None if tx is None else place(setup, tx.init(p))
+            entries[e.name] = Trainable(p, opt_state, tx)
+    st = TrainState(**entries)
     if setup.drafting is not None and setup.drafting.history_size is not None:
         st.history = HistoryBank(*setup.drafting.history_size)
-    return place_state(setup, st)
-
-
-def place_state(setup: RLSetup, st: TrainState) -> TrainState:
-    """Every entry's parameters and optimizer state onto the mesh (rl_state.place)."""
-    out = dataclasses.replace(st)
-    for e in TRAINABLES:
-        t = getattr(st, e.name)
-        if t is not None:
-            setattr(out, e.name, t.replace(place(setup, t.params), place(setup, t.opt_state)))
-    return out
+    return st
 
 
 def to_tree(st: TrainState) -> dict:
