@@ -50,7 +50,7 @@ def _policies(ctx, args):
             out.append(("sparse_actor", t.params, t.lora, t.setup.lora_scale, t.setup.rollout_spec))
         head = {}
         if t.head is not None:  # quality-weighted maj@k, at the head's last checkpoint
-            p = t.setup.prune
+            p = t.setup.pruning.config
             head = dict(head=t.head, head_layer=p.layer, head_position=p.positions[-1])
         return out, t.source, head
     return (

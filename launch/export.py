@@ -75,7 +75,10 @@ def main(argv: list[str]) -> int:
         from dsparse_jax.model import draft_head
 
         head_files = draft_head.export(
-            os.path.join(args.out, DRAFT_HEAD_DIR), t.draft_head, t.setup.draft_head.layers, dtype
+            os.path.join(args.out, DRAFT_HEAD_DIR),
+            t.draft_head,
+            t.setup.drafting.head.layers,
+            dtype,
         )
         files += [os.path.join(DRAFT_HEAD_DIR, f) for f in head_files]
     caveats = hf_checkpoint.transformers_caveats(ctx.model_cfg)

@@ -9,20 +9,22 @@
 - mismatch metrics: the direction and binning of the wiring, against numpy.
 """
 
+import dataclasses
 import functools
 import os
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
 from dsparse_jax.attention.spec import AttentionSpec, SparseSpec
 from dsparse_jax.model.lora import LoRAConfig, init_lora
+from dsparse_jax.rl import modes
 from dsparse_jax.rl.advantages import grpo_advantages
+from dsparse_jax.rl.corrections import Correction
 from dsparse_jax.sampling.sampler import Rollout, Sampler, SamplingConfig
-from dsparse_jax.train import distill, phases, steps
+from dsparse_jax.train import distill, phases, recompute, steps
 from tests.test_lora import VOCAB, model_cfg, random_params
 
 # 2 layers: 0 local, 1 global and sparse. Page size 4, budget 3 pages (12 of up to 32
@@ -48,8 +50,8 @@ def setup():
     return cfg, graphdef, params, rollout
 
 
-def recompute(graphdef, params, lora, r):
-    return distill.recompute(
+def rec_of(graphdef, params, lora, r):
+    return recompute.dense_and_twin(
         params,
         lora,
         r.tokens,
@@ -90,7 +92,7 @@ def test_phi_steps_move_only_phi_and_lower_kl(case):
     )
     lora = init_lora(cfg, LCFG, jax.random.key(0))
     opt = tx.init(lora)
-    rec0 = recompute(graphdef, params, lora, r)
+    rec0 = rec_of(graphdef, params, lora, r)
     mb = {
         "tokens": r.tokens,
         "mask": r.completion_mask,
@@ -108,7 +110,7 @@ def test_phi_steps_move_only_phi_and_lower_kl(case):
         )
         assert float(m["skipped"]) == 0 and float(m["grad_norm"]) > 0
         if falling:
-            history.append(float(recompute(graphdef, params, lora, r)["metrics"][falling]))
+            history.append(float(rec_of(graphdef, params, lora, r)["metrics"][falling]))
     # theta: bitwise unchanged (and not an output); phi: moved.
     for a, b in zip(theta_before, leaves(params)):
         np.testing.assert_array_equal(a, b)
@@ -124,8 +126,8 @@ def test_dense_recompute_ignores_phi_and_twin_reproduces_rollout():
     lora0 = init_lora(cfg, LCFG, jax.random.key(0))  # what the rollout used
     rng = np.random.default_rng(7)
     lora1 = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.1, x.dtype), lora0)
-    a = recompute(graphdef, params, lora0, r)
-    b = recompute(graphdef, params, lora1, r)
+    a = rec_of(graphdef, params, lora0, r)
+    b = rec_of(graphdef, params, lora1, r)
     mask = np.asarray(r.completion_mask) > 0
     np.testing.assert_array_equal(np.asarray(a["dense_logp"]), np.asarray(b["dense_logp"]))
     assert np.abs(np.asarray(a["twin_logp"] - b["twin_logp"])[mask]).max() > 1e-3
@@ -136,7 +138,7 @@ def test_dense_recompute_ignores_phi_and_twin_reproduces_rollout():
     assert np.abs(np.asarray(a["dense_logp"] - a["twin_logp"])[mask]).max() > 1e-2
     # Chunked recompute (rows in 2 groups, as when the update uses 2 microbatches) gives
     # the same token log-probs and metrics (f32, 1e-5: only the matmul grouping differs).
-    c = distill.recompute(
+    c = recompute.dense_and_twin(
         params,
         lora0,
         r.tokens,
@@ -151,8 +153,8 @@ def test_dense_recompute_ignores_phi_and_twin_reproduces_rollout():
     )
     for k in ("dense_logp", "twin_logp", "dense_entropy"):
         np.testing.assert_allclose(np.asarray(c[k]), np.asarray(a[k]), atol=1e-5)
-    for k, v in distill.flatten_metrics(jax.device_get(a["metrics"])).items():
-        got = distill.flatten_metrics(jax.device_get(c["metrics"]))[k]
+    for k, v in recompute.flatten_metrics(jax.device_get(a["metrics"])).items():
+        got = recompute.flatten_metrics(jax.device_get(c["metrics"]))[k]
         assert got == pytest.approx(v, rel=1e-4, abs=1e-6, nan_ok=True), k
 
 
@@ -161,11 +163,11 @@ def test_kept_rows_metrics_from_all_rows_arrays():
     recompute) equal a recompute of those rows alone, and differ from the all-rows ones."""
     cfg, graphdef, params, r = setup()
     lora = init_lora(cfg, LCFG, jax.random.key(0))
-    every = recompute(graphdef, params, lora, r)
+    every = rec_of(graphdef, params, lora, r)
     rows = np.array([0, 2])
     kept = jax.tree.map(lambda x: x[rows], r)
     arrays = jax.tree.map(lambda x: x[rows], {k: v for k, v in every.items() if k != "metrics"})
-    got = distill.batch_metrics(
+    got = recompute.batch_metrics(
         arrays,
         kept.tokens,
         kept.prompt_lengths,
@@ -174,13 +176,13 @@ def test_kept_rows_metrics_from_all_rows_arrays():
         bin_width=REC["bin_width"],
         num_bins=REC["num_bins"],
     )
-    want = distill.flatten_metrics(
-        jax.device_get(recompute(graphdef, params, lora, kept)["metrics"])
+    want = recompute.flatten_metrics(
+        jax.device_get(rec_of(graphdef, params, lora, kept)["metrics"])
     )
-    got = distill.flatten_metrics(jax.device_get(got))
+    got = recompute.flatten_metrics(jax.device_get(got))
     for k, v in want.items():
         assert got[k] == pytest.approx(v, rel=1e-4, abs=1e-6, nan_ok=True), k
-    all_rows = distill.flatten_metrics(jax.device_get(every["metrics"]))
+    all_rows = recompute.flatten_metrics(jax.device_get(every["metrics"]))
     assert got["kl_exact"] != pytest.approx(all_rows["kl_exact"], rel=1e-3)
 
 
@@ -197,6 +199,9 @@ def _rollout(tokens, mask, logprobs, prompt_lengths=None, page_ids=None):
     )
 
 
+SPARSE_MODE = modes.get("sparse")
+
+
 def test_theta_batch_tis_mis_hand_values():
     rho = np.array([[1.0, 2.0, 0.25, 3.0, 1.5], [0.4, 0.6, 1.0, 1.0, 9.0]])
     mask = np.array([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], np.float32)
@@ -204,40 +209,38 @@ def test_theta_batch_tis_mis_hand_values():
     old = jnp.asarray(np.log(rho) + mu, jnp.float32)
     kept = _rollout(np.ones(rho.shape), mask, mu)
     adv = jnp.array([1.0, -1.0])
-    c = ml_collections.ConfigDict(
-        dict(is_correction="none", tis_cap=2.0, mis_lo=0.5, mis_hi=2.0, mis_level="token")
-    )
-    batch, m = phases.theta_batch("sparse", kept, adv, old, None, c)
+    c = Correction(kind="none", tis_cap=2.0, mis_lo=0.5, mis_hi=2.0, mis_level="token")
+    batch, m = phases.theta_batch(SPARSE_MODE, kept, adv, old, None, c)
     assert "is_weights" not in batch and "pages" not in batch
     np.testing.assert_array_equal(batch["mask"], mask)
     np.testing.assert_array_equal(batch["old_logp"], old)  # dense logp is pi_old
     assert m["tis_clip_frac"] == pytest.approx(2 / 9)  # 3.0 and 9.0 exceed C = 2
     assert m["mis_masked_frac"] == pytest.approx(4 / 9)  # 0.25, 3.0, 0.4, 9.0
 
-    c.is_correction = "tis"
-    batch, _ = phases.theta_batch("sparse", kept, adv, old, None, c)
+    c = dataclasses.replace(c, kind="tis")
+    batch, _ = phases.theta_batch(SPARSE_MODE, kept, adv, old, None, c)
     want = np.array([[1.0, 2.0, 0.25, 2.0, 0.0], [0.4, 0.6, 1.0, 1.0, 2.0]])
     np.testing.assert_allclose(batch["is_weights"], want, rtol=1e-6)
     np.testing.assert_array_equal(batch["mask"], mask)
 
-    c.is_correction = "mis"
-    batch, _ = phases.theta_batch("sparse", kept, adv, old, None, c)
+    c = dataclasses.replace(c, kind="mis")
+    batch, _ = phases.theta_batch(SPARSE_MODE, kept, adv, old, None, c)
     want = np.array([[1, 1, 0, 0, 0], [0, 1, 1, 1, 0]], np.float32)
     np.testing.assert_array_equal(batch["mask"], want)
     # Sequence level, geometric mean ratios: row 0 (1*2*.25*3)^(1/4) = 1.107 (in),
     # row 1 (.4*.6*1*1*9)^(1/5) = 1.167 (out of [0.5, 1.15]).
-    c.mis_level, c.mis_hi = "sequence", 1.15
-    batch, _ = phases.theta_batch("sparse", kept, adv, old, None, c)
+    c = dataclasses.replace(c, mis_level="sequence", mis_hi=1.15)
+    batch, _ = phases.theta_batch(SPARSE_MODE, kept, adv, old, None, c)
     np.testing.assert_array_equal(batch["mask"], np.array([[1, 1, 1, 1, 0], [0] * 5], np.float32))
 
     # sparse_train: the sparse twin is pi_old and the pages ride along.
     ids = {1: jnp.zeros((2, 5, 1, 3), jnp.int32)}
     kept = _rollout(np.ones(rho.shape), mask, mu, page_ids=ids)
     twin = old + 0.5
-    batch, _ = phases.theta_batch("sparse_train", kept, adv, old, twin, c)
+    batch, _ = phases.theta_batch(modes.get("sparse_train"), kept, adv, old, twin, c)
     np.testing.assert_array_equal(batch["old_logp"], twin)
     assert list(batch["pages"]) == [1]
-    batch, _ = phases.theta_batch("distillsparse", kept, adv, old, twin, c)
+    batch, _ = phases.theta_batch(modes.get("distillsparse"), kept, adv, old, twin, c)
     np.testing.assert_array_equal(batch["old_logp"], old)
     assert "pages" not in batch
 
@@ -277,8 +280,8 @@ def test_mismatch_metrics_against_numpy():
     lsm = lambda x: x - np.log(np.exp(x).sum(-1, keepdims=True))
     ld, lt = lsm(dense), lsm(twin)
     pick = lambda l: np.take_along_axis(l, tok[..., None], -1)[..., 0]
-    metrics_fn = lambda d, t, *a: distill.mismatch_metrics(
-        distill.token_mismatch(d, t), *a, bin_width=2, num_bins=2
+    metrics_fn = lambda d, t, *a: recompute.mismatch_metrics(
+        recompute.token_mismatch(d, t), *a, bin_width=2, num_bins=2
     )
     got = jax.jit(metrics_fn)(
         jnp.asarray(dense),
@@ -286,9 +289,9 @@ def test_mismatch_metrics_against_numpy():
         jnp.asarray(pick(ld)),
         jnp.asarray(pick(lt)),
         jnp.asarray(mask),
-        distill.completion_positions(jnp.zeros((b, s)), jnp.asarray(prompt_lengths)),
+        recompute.completion_positions(jnp.zeros((b, s)), jnp.asarray(prompt_lengths)),
     )
-    got = distill.flatten_metrics(jax.device_get(got))
+    got = recompute.flatten_metrics(jax.device_get(got))
     on = mask > 0
     alpha = np.minimum(np.exp(ld), np.exp(lt)).sum(-1)
     kl_rev = (np.exp(lt) * (lt - ld)).sum(-1)  # KL(sparse || dense)

@@ -10,7 +10,8 @@ from dsparse_jax.model.transformer import Transformer
 from dsparse_jax.rl.advantages import grpo_advantages
 from dsparse_jax.sampling.sampler import Sampler, SamplingConfig
 from dsparse_jax.train import steps
-from dsparse_jax.train.grpo import GRPOSettings, grpo_update, recompute_logprobs
+from dsparse_jax.train.grpo import GRPOSettings, grpo_update
+from dsparse_jax.train.recompute import logprobs
 
 TARGET = 5  # reward: fraction of completion tokens equal to TARGET
 
@@ -46,7 +47,7 @@ def test_grpo_raises_reward_of_toy_task():
         r = sampler(params, prompts, lengths, k, scfg)
         rew = reward(r)
         history.append(rew.mean())
-        old, _ = recompute_logprobs(params, r.tokens, graphdef=graphdef, temperature=1.0)
+        old, _ = logprobs(params, r.tokens, graphdef=graphdef, temperature=1.0)
         batch = {
             "tokens": r.tokens,
             "mask": r.completion_mask,
@@ -78,7 +79,7 @@ def test_microbatches_give_the_same_update():
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(1, 8, (4, 16)), jnp.int32)
     mask = jnp.asarray(rng.random((4, 16)) < 0.6, jnp.float32).at[:, 0].set(0.0)
-    old, _ = recompute_logprobs(params, tokens, graphdef=graphdef, temperature=1.0)
+    old, _ = logprobs(params, tokens, graphdef=graphdef, temperature=1.0)
     batch = {
         "tokens": tokens,
         "mask": mask,

@@ -16,7 +16,7 @@ from model_utils import random_params
 from dsparse_jax.model import config as C
 from dsparse_jax.model.lora import LoRAConfig, init_lora, num_params, parse_targets
 from dsparse_jax.model.transformer import LINEAR_NAMES
-from dsparse_jax.train.steps import token_logprobs
+from dsparse_jax.train.recompute import token_logprobs
 
 VOCAB = 16
 

@@ -111,11 +111,11 @@ def test_mode_runs_two_steps(ctx, name, overrides, monkeypatch):
     setup = rl_loop.make_setup(run)
     st = rl_loop.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
     lora0 = _leaves(st.lora) if st.lora is not None else None
-    theta0 = _leaves(st.params)
+    theta0 = _leaves(st.theta.params)
     rng = jax.random.key(0)
     for step in range(2):
         rng, k = jax.random.split(rng)
-        st, m = rl_loop.rl_step(run, setup, st, k, step)
+        st, m = phases.rl_step(run, setup, st, k, step)
         for key in (
             "reward",
             "loss",
@@ -132,8 +132,8 @@ def test_mode_runs_two_steps(ctx, name, overrides, monkeypatch):
         ):
             assert key in m and math.isfinite(m[key]), (key, m.get(key))
         assert m["skipped_updates"] == 0
-    assert any((a != b).any() for a, b in zip(theta0, _leaves(st.params)))  # theta trained
-    assert optimizer_steps_taken(st.opt_state) == 2 * steps_per_rl_step(run, "theta")
+    assert any((a != b).any() for a, b in zip(theta0, _leaves(st.theta.params)))  # theta trained
+    assert optimizer_steps_taken(st.theta.opt_state) == 2 * steps_per_rl_step(run, "theta")
     # Figures over all generated rows: a copy with M = n, M = 3 rows otherwise.
     assert math.isfinite(m["all_kl_k3"]) and math.isfinite(m["all_mu_dense_max_abs"])
     if name == "dense":
@@ -164,7 +164,7 @@ def test_mode_runs_two_steps(ctx, name, overrides, monkeypatch):
             assert math.isfinite(m[key]), key
         assert m["phi_skipped_updates"] == 0
         assert any((a != b).any() for a, b in zip(lora0, _leaves(st.lora)))  # phi trained
-        assert optimizer_steps_taken(st.lora_opt_state) == 2 * steps_per_rl_step(run, "phi")
+        assert optimizer_steps_taken(st.phi.opt_state) == 2 * steps_per_rl_step(run, "phi")
     else:
         assert st.lora is None and "phi_loss" not in m and "time_update_phi" not in m
 
@@ -192,7 +192,7 @@ def test_twin_every_skips_a_metrics_only_twin(ctx, monkeypatch):
     rng, got = jax.random.key(0), []
     for step in range(2):
         rng, k = jax.random.split(rng)
-        st, m = rl_loop.rl_step(run, setup, st, k, step)
+        st, m = phases.rl_step(run, setup, st, k, step)
         got.append(m)
     for key in TWIN_ONLY:
         assert math.isfinite(got[0][key]) and math.isfinite(got[0]["all_" + key]), key
@@ -201,12 +201,13 @@ def test_twin_every_skips_a_metrics_only_twin(ctx, monkeypatch):
         for key in ("kl_k3", "mu_dense_max_abs", "acceptance_frac_kept", "loss", "all_kl_k3"):
             assert math.isfinite(m[key]), key
         assert m["skipped_updates"] == 0
-    never = _with(ctx, metrics__twin_every=0)
+    never = dataclasses.replace(setup.recompute, twin_every=0)
     needs = {"sparse": False, "sparse_train": True, "distillsparse": True, "speculative": True}
     for mode, needed in needs.items():
         s = dataclasses.replace(setup, mode=modes.get(mode))
-        assert [phases.twin_step(never, s, i) for i in range(3)] == [needed] * 3, mode
-        assert phases.twin_step(run, s, 0) and phases.twin_step(run, s, 1) == needed, mode
+        s_never = dataclasses.replace(s, recompute=never)
+        assert [phases.twin_step(s_never, i) for i in range(3)] == [needed] * 3, mode
+        assert phases.twin_step(s, 0) and phases.twin_step(s, 1) == needed, mode
 
 
 @pytest.mark.slow
@@ -239,7 +240,7 @@ def test_speculative_mode_runs_two_steps(ctx, draft, monkeypatch, tmp_path):
     rng = jax.random.key(0)
     for step in range(2):
         rng, k = jax.random.split(rng)
-        st, m = rl_loop.rl_step(run, setup, st, k, step)
+        st, m = phases.rl_step(run, setup, st, k, step)
         assert m["skipped_updates"] == 0
         assert m["mu_dense_max_abs"] < 1e-3  # exact dense rollout: numerics only
         assert m["spec_accept_length"] >= 1.0 and math.isfinite(m["spec_accept_rate_1"])
@@ -252,18 +253,19 @@ def test_speculative_mode_runs_two_steps(ctx, draft, monkeypatch, tmp_path):
         _check_draft_head(run, setup, st, m, rng, tmp_path)
         return
     assert st.lora is None and "phi_loss" not in m
-    bank = setup.history
+    bank = st.history
     assert bank.owned.sum() == 2 and (np.asarray(bank.lengths) > 0).sum() == 2 * 2 * 3
     ckpt = checkpoints.Checkpointer(str(tmp_path), "ck")
     position = rl_loop.RL_DATA_OFFSET + 2 * 2
-    ckpt.save(2, rl_loop._saveable(st, rng, 2, position, bank=bank), force=True)
+    ckpt.save(2, rl_loop._saveable(st, rng, 2, position), force=True)
     ckpt.wait()
-    fresh = rl_loop.make_setup(run).history
-    found = rl_loop._resume(ckpt, st, rng, "speculative", 2, fresh)
+    fresh = rl_loop.init_state(run, setup, run.init_params)
+    assert not fresh.history.owned.any()
+    found = rl_loop._resume(ckpt, fresh, rng, "speculative", 2)
     ckpt.close()
     assert found[2] == 2
     for name, value in bank.state().items():
-        np.testing.assert_array_equal(value, fresh.state()[name], err_msg=name)
+        np.testing.assert_array_equal(value, found[0].history.state()[name], err_msg=name)
 
 
 def _check_phi_warm_start(run, setup, st, tmp_path):
@@ -273,11 +275,11 @@ def _check_phi_warm_start(run, setup, st, tmp_path):
     from dsparse_jax.report.metrics import MetricsWriter, read_metrics
 
     run = _with(run, distill__warmup_steps=1)
-    theta, lora = _leaves(st.params), _leaves(st.lora)
+    theta, lora = _leaves(st.theta.params), _leaves(st.lora)
     writer = MetricsWriter(str(tmp_path), tensorboard=False)
     st = rl_loop.warm_start_phi(run, setup, st, writer)
     writer.close()
-    for a, b in zip(theta, _leaves(st.params)):
+    for a, b in zip(theta, _leaves(st.theta.params)):
         np.testing.assert_array_equal(a, b)
     assert any((a != b).any() for a, b in zip(lora, _leaves(st.lora)))
     (x,) = read_metrics(str(tmp_path), "phi_warmup")
@@ -293,26 +295,32 @@ def _check_draft_head(run, setup, st, m, rng, tmp_path):
     assert st.lora is None and "phi_loss" not in m
     assert m["draft_head_loss_after"] < m["draft_head_loss"] and m["time_update_draft_head"] > 0
     want = 2 * steps_per_rl_step(run, "draft_head")  # after two RL steps
-    assert optimizer_steps_taken(st.draft_head_opt_state) == want
+    assert optimizer_steps_taken(st.draft_head.opt_state) == want
     fresh = rl_loop.init_state(run, setup, run.init_params)
-    assert any((a != b).any() for a, b in zip(_leaves(fresh.draft_head), _leaves(st.draft_head)))
+    assert any(
+        (a != b).any()
+        for a, b in zip(_leaves(fresh.draft_head.params), _leaves(st.draft_head.params))
+    )
     ckpt = checkpoints.Checkpointer(str(tmp_path), "ck")
     ckpt.save(2, rl_loop._saveable(st, rng, 2, rl_loop.RL_DATA_OFFSET + 4), force=True)
     ckpt.wait()
     got = rl_loop._resume(ckpt, fresh, rng, "speculative", 2)[0]
     ckpt.close()
-    for name in ("draft_head", "draft_head_opt_state"):
-        assert jax.tree.structure(getattr(got, name)) == jax.tree.structure(getattr(st, name))
-        for a, b in zip(_leaves(getattr(got, name)), _leaves(getattr(st, name))):
+    for name in ("params", "opt_state"):
+        want_tree, got_tree = getattr(st.draft_head, name), getattr(got.draft_head, name)
+        assert jax.tree.structure(got_tree) == jax.tree.structure(want_tree)
+        for a, b in zip(_leaves(got_tree), _leaves(want_tree)):
             np.testing.assert_array_equal(a, b, err_msg=name)
-    warm = dataclasses.replace(
-        setup, draft_head=dataclasses.replace(setup.draft_head, warmup_steps=3)
-    )
+    head = dataclasses.replace(setup.drafting.head, warmup_steps=3)
+    warm = dataclasses.replace(setup, drafting=dataclasses.replace(setup.drafting, head=head))
     os.makedirs(tmp_path / "m", exist_ok=True)
     writer = MetricsWriter(str(tmp_path / "m"), tensorboard=False)
     st = rl_loop.warm_start_draft_head(run, warm, fresh, writer)
     writer.close()
-    assert any((a != b).any() for a, b in zip(_leaves(got.draft_head), _leaves(st.draft_head)))
+    assert any(
+        (a != b).any()
+        for a, b in zip(_leaves(got.draft_head.params), _leaves(st.draft_head.params))
+    )
 
 
 @pytest.mark.slow
@@ -322,7 +330,7 @@ def test_distillsparse_checkpoint_round_trips_phi(ctx, tmp_path):
     run = _with(ctx, rl__rollout_mode="distillsparse")
     setup = rl_loop.make_setup(run)
     st = rl_loop.init_state(run, setup, run.init_params)
-    st.lora = jax.tree.map(lambda x: x + 0.5, st.lora)  # B no longer zero
+    st.phi = st.phi.replace(jax.tree.map(lambda x: x + 0.5, st.lora), st.phi.opt_state)  # B != 0
     ckpt = checkpoints.Checkpointer(str(tmp_path), "ck")
     ckpt.save(3, rl_loop._saveable(st, jax.random.key(5), 3, 7), force=True)
     ckpt.wait()
@@ -338,7 +346,7 @@ def test_distillsparse_checkpoint_round_trips_phi(ctx, tmp_path):
     assert jax.tree.structure(got.lora) == jax.tree.structure(st.lora)
     for a, b in zip(_leaves(got.lora), _leaves(st.lora)):
         np.testing.assert_array_equal(a, b)
-    assert jax.tree.structure(got.lora_opt_state) == jax.tree.structure(st.lora_opt_state)
+    assert jax.tree.structure(got.phi.opt_state) == jax.tree.structure(st.phi.opt_state)
 
 
 @pytest.mark.parametrize(
@@ -384,7 +392,7 @@ class Killed(Exception):
 
 def _twin_kl(run, setup, st, lora, r) -> float:
     """Exact KL(twin || dense) per token of rollout `r` with phi = `lora`."""
-    rec = phases._recompute_rollout(run, setup, dataclasses.replace(st, lora=lora), r)
+    rec = phases._recompute(run, setup, dataclasses.replace(st, phi=st.phi.replace(lora, None)), r)
     return float(rec["metrics"]["kl_exact"])
 
 
@@ -422,7 +430,7 @@ def test_phi_warm_start_moves_phi_only_and_a_resume_does_not_repeat_it(ctx, monk
     st0 = rl_loop.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
     r = phases.rollout(run, setup, st0, jax.random.key(9), 0)[0].rollout  # RL step 1's prompts
     kl_before = _twin_kl(run, setup, st0, st0.lora, r)
-    theta0, lora0 = _leaves(st0.params), _leaves(st0.lora)
+    theta0, lora0 = _leaves(st0.theta.params), _leaves(st0.lora)
     warm = _spy(monkeypatch, phases, "warmup_phi")
     real_eval = rl_loop.evaluate
 
@@ -447,7 +455,7 @@ def test_phi_warm_start_moves_phi_only_and_a_resume_does_not_repeat_it(ctx, monk
             got, _, step, _, warmed = rl_loop._resume(ckpt, fresh, jax.random.key(0), "", 2)
             ckpt.close()
             assert (step, warmed) == (0, 3)
-    for a, b in zip(theta0, _leaves(got.params)):  # theta frozen, bitwise
+    for a, b in zip(theta0, _leaves(got.theta.params)):  # theta frozen, bitwise
         np.testing.assert_array_equal(a, b)
     assert any((a != b).any() for a, b in zip(lora0, _leaves(got.lora)))  # phi moved
     kl_after = _twin_kl(run, setup, st0, got.lora, r)
@@ -483,16 +491,16 @@ def test_phi_row_stride_trains_on_every_sth_row_and_lowers_the_kl(ctx, monkeypat
     kl_before = _twin_kl(run, setup, st, st.lora, r)
     updates = _spy(monkeypatch, phases, "update_phi")
     batches = _spy(monkeypatch, phases, "_minibatch_updates")
-    recomputes = _spy(monkeypatch, phases, "_recompute_rollout")
+    recomputes = _spy(monkeypatch, phases, "_recompute")
     writer = MetricsWriter(str(tmp_path), tensorboard=False)
     warm = rl_loop.warm_start_phi(run, setup, st, writer)
     writer.close()
     assert len(updates) == len(recomputes) == 3
     for upd, mb, rec in zip(updates, batches, recomputes):
-        kept, batch = upd[3].kept, mb[3]
-        assert mb[0] is distill.phi_update and mb[5] == run.config.rl.minibatches == 2
+        kept, batch = upd[3].kept, mb[2]
+        assert mb[0] is distill.phi_update and mb[4] == run.config.rl.minibatches == 2
         assert kept.tokens.shape[0] == 4 and batch["tokens"].shape[0] == 2
-        dense_logp = phases._recompute_rollout(*rec)["dense_logp"]  # the teacher (cached)
+        dense_logp = phases._recompute(*rec)["dense_logp"]  # the teacher (cached)
         for name, rows in (
             ("tokens", kept.tokens),
             ("mask", kept.completion_mask),

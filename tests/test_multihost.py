@@ -52,14 +52,9 @@ def worker(pid: int, port: int, out: str, mesh: tuple) -> None:
     ctx = ts._ctx(_ctx(ts), mesh)
     setup, st, m = ts._one_step(ctx)
     assert setup.plan.multiprocess
-    sums = {
-        name: [float(jnp.sum(x)) for x in jax.tree.leaves(getattr(st, name))]
-        for name in ("params", "lora")
-    }
-    local = {
-        name: [x.sharding.is_fully_addressable for x in jax.tree.leaves(getattr(st, name))]
-        for name in ("params",)
-    }
+    trees = {"params": st.theta.params, "lora": st.lora}
+    sums = {name: [float(jnp.sum(x)) for x in jax.tree.leaves(t)] for name, t in trees.items()}
+    local = {"params": [x.sharding.is_fully_addressable for x in jax.tree.leaves(trees["params"])]}
     with open(out, "w") as f:
         json.dump(
             {
@@ -151,8 +146,8 @@ def _reference():
     return {
         "metrics": m,
         "sums": {
-            name: [float(jnp.sum(x)) for x in jax.tree.leaves(getattr(st, name))]
-            for name in ("params", "lora")
+            name: [float(jnp.sum(x)) for x in jax.tree.leaves(t)]
+            for name, t in (("params", st.theta.params), ("lora", st.lora))
         },
     }
 

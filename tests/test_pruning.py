@@ -253,13 +253,13 @@ def test_rl_step_with_pruning_trains_the_head_and_checkpoints_it(tmp_path, monke
     monkeypatch.setattr(phases, "grade", binary_score)
     run = _prune_run()
     setup = rl_loop.make_setup(run)
-    assert setup.prune.sizes == (2,) and setup.prune_generated == 4
+    assert setup.pruning.config.sizes == (2,) and setup.pruning.generated == 4
     st = rl_loop.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
-    head0 = jax.tree.map(np.asarray, st.head)
+    head0 = jax.tree.map(np.asarray, st.quality_head.params)
     rng = jax.random.key(0)
     for step in range(2):
         rng, k = jax.random.split(rng)
-        st, m = rl_loop.rl_step(run, setup, st, k, step)
+        st, m = phases.rl_step(run, setup, st, k, step)
     for key in (
         "time_update_head",
         "prune_head_loss",
@@ -275,10 +275,11 @@ def test_rl_step_with_pruning_trains_the_head_and_checkpoints_it(tmp_path, monke
     assert "prune_head_auc" in m and m["skipped_updates"] == 0
     assert m["prune_head_loss_after"] < m["prune_head_loss"]
     steps = 2 * steps_per_rl_step(run, "quality_head")  # after two RL steps
-    assert optimizer_steps_taken(st.head_opt_state) == steps
+    assert optimizer_steps_taken(st.quality_head.opt_state) == steps
     assert m["tokens_generated"] == m["prune_tokens_generated"] > m["tokens_trained"]
     assert any(
-        (np.asarray(a) != b).any() for a, b in zip(jax.tree.leaves(st.head), jax.tree.leaves(head0))
+        (np.asarray(a) != b).any()
+        for a, b in zip(jax.tree.leaves(st.quality_head.params), jax.tree.leaves(head0))
     )
     # The head and its optimizer state round-trip through a checkpoint.
     ckpt = checkpoints.Checkpointer(str(tmp_path), "ck")
@@ -289,8 +290,8 @@ def test_rl_step_with_pruning_trains_the_head_and_checkpoints_it(tmp_path, monke
     ckpt.close()
     assert step == 2
     for a, b in zip(
-        jax.tree.leaves((got.head, got.head_opt_state)),
-        jax.tree.leaves((st.head, st.head_opt_state)),
+        jax.tree.leaves(got.quality_head),
+        jax.tree.leaves(st.quality_head),
     ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     run.rewarder.close()

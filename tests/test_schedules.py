@@ -13,7 +13,7 @@ import pytest
 
 from dsparse_jax.config import cli, schema
 from dsparse_jax.config.validate import validate
-from dsparse_jax.train import context, phases, rl_state, steps
+from dsparse_jax.train import context, phases, rl_state, steps, trainables
 from tests.test_modes import base_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,9 +23,9 @@ WARMUP = {"theta": 3.0, "phi": 1.5}
 
 
 @pytest.fixture(scope="module")
-def setup():
-    """distillsparse's optimizers of theta and phi: minibatches = microbatches = 2, a
-    cosine schedule of peak 1 over 10 RL steps."""
+def state():
+    """distillsparse's theta and phi with their optimizers: minibatches = microbatches = 2,
+    a cosine schedule of peak 1 over 10 RL steps."""
     c = base_config()
     c.rl.num_steps, c.rl.minibatches, c.rl.microbatches = RL_STEPS, 2, 2
     for section, warmup in ((c.rl, WARMUP["theta"]), (c.lora, WARMUP["phi"])):
@@ -33,7 +33,7 @@ def setup():
     validate(c)
     ctx = context.build(c)
     ctx.rewarder.close()
-    return rl_state.make_setup(ctx)
+    return trainables.init_state(ctx, rl_state.make_setup(ctx), ctx.init_params)
 
 
 def learning_rates(tx, minibatches: int, microbatches: int) -> np.ndarray:
@@ -48,7 +48,7 @@ def learning_rates(tx, minibatches: int, microbatches: int) -> np.ndarray:
     one = jax.jit(lambda w, opt, mb: steps.accumulated_update(terms, w, opt, mb, microbatches, tx))
     moves = []
 
-    def update(w, opt, mb):
+    def update(w, opt, mb, tx):
         new, opt, m = one(w, opt, mb)
         moves.append(float(w - new))
         return new, opt, m
@@ -56,11 +56,9 @@ def learning_rates(tx, minibatches: int, microbatches: int) -> np.ndarray:
     rows = 4 * minibatches * microbatches
     batch = {"tokens": jnp.zeros((rows, 1), jnp.int32), "ones": jnp.ones(rows)}
     w = jnp.zeros((), jnp.float32)
-    opt = tx.init(w)
+    w = trainables.Trainable(w, tx.init(w), tx)
     for step in range(RL_STEPS):
-        w, opt, _ = phases._minibatch_updates(
-            update, w, opt, batch, jax.random.key(step), minibatches
-        )
+        w, _ = phases._minibatch_updates(update, w, batch, jax.random.key(step), minibatches)
     return np.array(moves).reshape(RL_STEPS, minibatches)
 
 
@@ -73,8 +71,8 @@ def expected(count: int, warmup: int, total: int) -> float:
 
 
 @pytest.mark.parametrize("trainable", ["theta", "phi"])
-def test_schedule_is_in_rl_steps(setup, trainable):
-    tx = {"theta": setup.tx, "phi": setup.lora_tx}[trainable]
+def test_schedule_is_in_rl_steps(state, trainable):
+    tx = getattr(state, trainable).tx
     lr = learning_rates(tx, minibatches=2, microbatches=2)
     warmup, total = round(WARMUP[trainable] * 2), RL_STEPS * 2  # in optimizer steps
     checks = {

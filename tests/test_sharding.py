@@ -18,7 +18,6 @@ from dsparse_jax.config.validate import validate
 from dsparse_jax.parallel import sharding
 from dsparse_jax.reliability import checkpoints
 from dsparse_jax.sampling.sampler import Sampler
-from dsparse_jax.sampling.speculative import SpeculativeSampler
 from dsparse_jax.train import context, phases, rl_loop
 from dsparse_jax.train.evaluation import Evaluator
 
@@ -54,7 +53,6 @@ def base_ctx():
             "graphdef": graphdef,
             "init_params": params,
             "sampler": sampler,
-            "spec_sampler": SpeculativeSampler(graphdef),
             "evaluator": evaluator,
         }
     )
@@ -68,10 +66,19 @@ def _host(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+def _trees(st, *names) -> dict:
+    """The parameters and optimizer states of the named entries of a TrainState."""
+    return {
+        f"{name}.{part}": getattr(getattr(st, name), part)
+        for name in names
+        for part in ("params", "opt_state")
+    }
+
+
 def _one_step(ctx):
     setup = rl_loop.make_setup(ctx)
     st = rl_loop.init_state(ctx, setup, jax.tree.map(jnp.copy, ctx.init_params))
-    new, m = rl_loop.rl_step(ctx, setup, st, jax.random.key(7), 0)
+    new, m = phases.rl_step(ctx, setup, st, jax.random.key(7), 0)
     return setup, new, m
 
 
@@ -101,8 +108,9 @@ def test_rl_step_on_mesh_matches_single_device(base_ctx, reference, shape, monke
         np.testing.assert_allclose(m[k], v, rtol=RTOL, atol=ATOL, err_msg=k)
     assert ref_m["phi_loss"] != 0 and ref_m["skipped_updates"] == 0
     # Same updated theta, phi and optimizer states.
-    for name in ("params", "opt_state", "lora", "lora_opt_state"):
-        got, want = _host(getattr(st, name)), _host(getattr(ref_st, name))
+    want_trees = _trees(ref_st, "theta", "phi")
+    for name, tree in _trees(st, "theta", "phi").items():
+        got, want = _host(tree), _host(want_trees[name])
         assert len(got) == len(want)
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=name)
@@ -122,7 +130,7 @@ def _check_state_shardings(st, mesh):
     d, f, t = (mesh.shape[a] for a in sharding.AXES)
     fsdp = "fsdp" if f > 1 else None
     tp = "tensor" if t > 1 else None
-    layer = st.params["layers"][1]
+    layer = st.theta.params["layers"][1]
     want = {  # d_model 32, heads 4, KV heads 2, mlp 64: every split divides
         "q": _p(fsdp, tp),
         "k": _p(fsdp, tp),
@@ -135,7 +143,7 @@ def _check_state_shardings(st, mesh):
         assert sub[name][...].sharding.spec == spec, (name, sub[name][...].sharding)
     assert layer["pre_attn_norm"]["scale"][...].sharding.is_fully_replicated
     # Every leaf of all four trees matches the rule (and is on the whole mesh).
-    for tree in (st.params, st.opt_state, st.lora, st.lora_opt_state):
+    for tree in _trees(st, "theta", "phi").values():
         specs = sharding.state_specs(tree, mesh)
         for x, spec in zip(
             jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
@@ -147,7 +155,7 @@ def _check_state_shardings(st, mesh):
     assert q["a"].sharding.spec == _p(fsdp)
     assert q["b"].sharding.spec == _p(None, tp)
     # Adam moments follow their parameter.
-    mu = st.opt_state[1][0].mu
+    mu = st.theta.opt_state[1][0].mu
     assert mu["layers"][1]["mlp"]["gate"][...].sharding.spec == _p(fsdp, tp)
 
 
@@ -172,14 +180,17 @@ def test_speculative_draft_head_step_on_mesh(base_ctx, monkeypatch):
             continue
         np.testing.assert_allclose(m[k], v, rtol=RTOL, atol=ATOL, err_msg=k)
     assert ref_m["draft_head_loss_after"] < ref_m["draft_head_loss"]
-    for name in ("params", "draft_head", "draft_head_opt_state"):
-        for a, b in zip(_host(getattr(st, name)), _host(getattr(ref_st, name))):
+    want_trees = _trees(ref_st, "theta", "draft_head")
+    for name, tree in _trees(st, "theta", "draft_head").items():
+        if name == "theta.opt_state":
+            continue
+        for a, b in zip(_host(tree), _host(want_trees[name])):
             np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=name)
     mesh = setup.plan.mesh
-    attn = st.draft_head["block"]["attn"]
-    assert attn["q"][...].sharding.spec == _p("fsdp", "tensor")
-    assert st.draft_head["block"]["mlp"]["down"][...].sharding.spec == _p("tensor", "fsdp")
-    for tree in (st.draft_head, st.draft_head_opt_state):
+    head = st.draft_head.params
+    assert head["block"]["attn"]["q"][...].sharding.spec == _p("fsdp", "tensor")
+    assert head["block"]["mlp"]["down"][...].sharding.spec == _p("tensor", "fsdp")
+    for tree in _trees(st, "draft_head").values():
         specs = sharding.state_specs(tree, mesh)
         for x, spec in zip(
             jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
@@ -233,8 +244,8 @@ def test_sharded_checkpoint_restores_onto_another_mesh(base_ctx, tmp_path):
     a = _ctx(base_ctx, (2, 2, 2))
     setup_a = rl_loop.make_setup(a)
     st = rl_loop.init_state(a, setup_a, jax.tree.map(jnp.copy, a.init_params))
-    st.lora = jax.tree.map(lambda x: x + 0.5, st.lora)  # B no longer zero
-    st.lora = setup_a.plan.shard_state(st.lora)
+    lora = setup_a.plan.shard_state(jax.tree.map(lambda x: x + 0.5, st.lora))  # B no longer 0
+    st.phi = st.phi.replace(lora, st.phi.opt_state)
     ckpt = checkpoints.Checkpointer(str(tmp_path), "ck")
     rng = setup_a.plan.replicate(jax.random.key(3))  # as train_rl places it
     ckpt.save(1, rl_loop._saveable(st, rng, 1, 5), force=True)
@@ -246,14 +257,15 @@ def test_sharded_checkpoint_restores_onto_another_mesh(base_ctx, tmp_path):
     ckpt.close()
     assert step == 1
     np.testing.assert_array_equal(jax.random.key_data(rng_b), jax.random.key_data(rng))
-    for name in ("params", "opt_state", "lora", "lora_opt_state"):
-        for x, y in zip(jax.tree.leaves(getattr(got, name)), jax.tree.leaves(getattr(st, name))):
+    want_trees = _trees(st, "theta", "phi")
+    for name, tree in _trees(got, "theta", "phi").items():
+        for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(want_trees[name])):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
             assert x.sharding.mesh.shape == setup_b.plan.mesh.shape
     _check_state_shardings(got, setup_b.plan.mesh)
     # (2,2,2) placed q as (fsdp, tensor); on (8,1,1) it comes back replicated.
-    assert st.params["layers"][1]["attn"]["q"][...].sharding.spec == P("fsdp", "tensor")
-    assert got.params["layers"][1]["attn"]["q"][...].sharding.is_fully_replicated
+    assert st.theta.params["layers"][1]["attn"]["q"][...].sharding.spec == P("fsdp", "tensor")
+    assert got.theta.params["layers"][1]["attn"]["q"][...].sharding.is_fully_replicated
 
 
 def test_distributed_settings(monkeypatch):

@@ -57,7 +57,7 @@ class Lab:
         from dsparse_jax.config.validate import validate
         from dsparse_jax.harness import lookups
         from dsparse_jax.report.metrics import MetricsWriter
-        from dsparse_jax.train import context, distill, sft
+        from dsparse_jax.train import context, recompute, sft
 
         if not os.path.exists(os.path.join(workdir, "sft", "DONE.json")):
             raise UserError(
@@ -76,7 +76,7 @@ class Lab:
         def per_token(params, lora, tokens, pages, *, twin_spec, lora_scale):
             """Per-token alpha and exact KL(sparse || dense) (kl_rev) of the rollout's
             tokens: the RL step's recompute on one chunk."""
-            return distill.token_stats(
+            return recompute.token_stats(
                 params,
                 lora,
                 tokens,

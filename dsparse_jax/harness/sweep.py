@@ -14,7 +14,7 @@ from dsparse_jax.attention.spec import AttentionSpec, SparseSpec
 from dsparse_jax.config.validate import validate
 from dsparse_jax.model.transformer import sparse_layers
 from dsparse_jax.report.metrics import MetricsWriter
-from dsparse_jax.train import context, distill, rollouts, sft
+from dsparse_jax.train import context, recompute, rollouts, sft
 from dsparse_jax.train.rl_state import RL_DATA_OFFSET
 
 
@@ -24,7 +24,7 @@ def measure_sweep(
     """Mismatch of the naive sparse actor (theta from the SFT warm start, no adapter) vs
     the dense policy, per sparse.budget, without training: the sparse actor samples
     `prompts` x rl.samples_per_prompt completions of the RL prompt stream (batches_n
-    batches; the first includes the compile and is not timed) and distill.recompute
+    batches; the first includes the compile and is not timed) and recompute.dense_and_twin
     measures the exact per-token mismatch of its teacher-forced twin (the recorded pages)
     vs the dense policy. A dense rollout of the same prompts is the reference."""
     validate(config)
@@ -59,7 +59,7 @@ def measure_sweep(
                 times.append(rolled.seconds)
                 toks.append(float(ncomp.sum()))
             rewards.append(np.asarray(rolled.scored.rewards))
-            rec = distill.recompute(
+            rec = recompute.dense_and_twin(
                 params,
                 None,
                 r.tokens,
@@ -74,7 +74,7 @@ def measure_sweep(
                 bin_width=config.metrics.position_bin,
                 num_bins=n_bins,
             )
-            m = distill.flatten_metrics(jax.device_get(rec["metrics"]))
+            m = recompute.flatten_metrics(jax.device_get(rec["metrics"]))
             m["response_length_mean"] = float(ncomp.mean())
             per_batch.append(m)
         keys = sorted(set().union(*per_batch))

@@ -5,10 +5,24 @@ policy that generated the tokens (mu, e.g. sparse). Ratio rho = exp(old - rollou
 All outputs are detached (stop_gradient); metrics are fractions over masked tokens.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from dsparse_jax.rl.losses import masked_mean
+
+
+@dataclasses.dataclass(frozen=True)
+class Correction:
+    """Which correction theta's batch applies (rl.is_correction) and the settings of both:
+    the TIS clip and the MIS mask are measured either way."""
+
+    kind: str = "none"  # none | tis | mis
+    tis_cap: float = 2.0  # TIS weight min(pi_old / mu, cap)
+    mis_lo: float = 0.5  # MIS keeps tokens with ratio in [lo, hi]
+    mis_hi: float = 2.0
+    mis_level: str = "token"  # token | sequence (geometric mean ratio)
 
 
 def tis_weights(old_logp_BxT, rollout_logp_BxT, mask_BxT, cap):

@@ -19,7 +19,7 @@ speculative: the rollout is an exact sample of the dense policy (sampling/specul
 the actor_* properties then describe the drafter (rl.draft, `DRAFTS`): sparse_self drafts
 with the sparse + phi actor, whose phi is distilled to the verifier (theta after its
 update) with a divergence and no PPO term (`PHI_AUTO`, `phi_objective`), on a twin that is
-the drafter itself (train/distill.py); history drafts without a model; draft_head with a
+the drafter itself (train/recompute.py); history drafts without a model; draft_head with a
 learned head on the policy's features, trained online (phase update_draft_head).
 """
 

@@ -30,12 +30,14 @@ from dsparse_jax.model.config import ModelConfig, preset
 from dsparse_jax.model.lora import LoRAConfig, parse_targets
 from dsparse_jax.model.transformer import Transformer
 from dsparse_jax.sampling.sampler import Sampler
-from dsparse_jax.sampling.speculative import SpeculativeSampler
 from dsparse_jax.train.evaluation import Evaluator
 
 
 @dataclasses.dataclass
 class RunContext:
+    """What a run builds once from its config: the task, the tokenizer, the model and the
+    objects around it. The RL phases' static settings are rl_state.RLSetup."""
+
     config: object  # the ml_collections ConfigDict
     task: Task
     tok: Tokenizer
@@ -44,7 +46,6 @@ class RunContext:
     init_params: object  # nnx.State of a freshly initialised model (also a template)
     spec: AttentionSpec  # dense attention spec of the trainer
     sampler: Sampler
-    spec_sampler: SpeculativeSampler  # rollout_mode=speculative
     evaluator: Evaluator
     seq_width: int  # static width of prompt + completion buffers
     rollout_spec: AttentionSpec | None = None  # sparse actor attention (config.sparse)
@@ -54,10 +55,6 @@ class RunContext:
     def __post_init__(self):
         if self.rewarder is None:
             self.rewarder = Rewarder.from_config(self.config)
-
-    @property
-    def mode(self) -> str:
-        return self.config.rl.rollout_mode
 
     @property
     def num_params(self) -> int:
@@ -154,7 +151,7 @@ def build(config) -> RunContext:
     task, tok = _data_task(config)
     model_cfg, graphdef, params = _model(config, tok)
     spec = AttentionSpec(impl=config.attention.impl, page_size=config.attention.page_size)
-    # Built in every mode (cheap, static); rl_loop.make_setup picks what the mode uses.
+    # Built in every mode (cheap, static); rl_state.make_setup picks what the mode uses.
     rollout_spec = dataclasses.replace(spec, sparse=sparse_spec(config))
     lora_cfg = lora_config(config)
     sampler = Sampler(graphdef)
@@ -170,7 +167,6 @@ def build(config) -> RunContext:
         init_params=params,
         spec=spec,
         sampler=sampler,
-        spec_sampler=SpeculativeSampler(graphdef),
         evaluator=evaluator,
         seq_width=batches.sequence_buffer(task, spec.page_size),
         rollout_spec=rollout_spec,

@@ -20,7 +20,8 @@ import jax
 from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.parallel import sharding
 from dsparse_jax.rl import losses
-from dsparse_jax.train.steps import accumulated_update, map_row_chunks, token_logprobs
+from dsparse_jax.train.recompute import token_logprobs
+from dsparse_jax.train.steps import accumulated_update
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,23 +77,3 @@ def grpo_update(params, opt_state, mb: dict, *, graphdef, tx, settings: GRPOSett
     return sharding.constrain_update(
         accumulated_update(terms, params, opt_state, mb, settings.microbatches, tx)
     )
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "spec", "chunks"))
-def recompute_logprobs(
-    params,
-    tokens_BxS,
-    pages=None,
-    *,
-    graphdef,
-    temperature: float,
-    spec: AttentionSpec = AttentionSpec(),
-    chunks: int = 1,
-):
-    """Trainer log-probs (old policy / reference) of a rollout batch, no gradient, over
-    `chunks` groups of rows in sequence (steps.map_row_chunks). With a sparse spec and the
-    rollout's pages: the teacher-forced sparse forward."""
-    fn = lambda r: token_logprobs(
-        graphdef, params, r["tokens"], temperature=temperature, spec=spec, pages=r["pages"]
-    )
-    return map_row_chunks(fn, {"tokens": tokens_BxS, "pages": pages}, chunks)

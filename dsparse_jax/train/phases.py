@@ -1,4 +1,4 @@
-"""The phases of one RL step, in order (METHOD.md, "Each RL iteration"):
+"""One RL step: `rl_step` runs its phases in order (METHOD.md, "Each RL iteration"):
 
   rollout       the actor samples M completions per prompt
   score         the task reward of every completion (host)
@@ -14,8 +14,10 @@
 
 Every phase is a function (ctx, setup, ...) -> (output, metrics); `PhaseLog.run` times
 each one the same way (time_<phase>, after its outputs are ready) and collects its
-metrics. Which attention, adapter and trainer a phase uses comes from the rollout mode's
-properties in setup.mode (rl/modes.py).
+metrics. The phases read their settings from setup (rl_state.RLSetup), never from the
+config; which attention, adapter and trainer a phase uses comes from the rollout mode's
+properties in setup.mode (rl/modes.py). An update phase returns its entry of the
+TrainState (trainables.Trainable), updated with the entry's own transform.
 """
 
 from __future__ import annotations
@@ -40,12 +42,14 @@ from dsparse_jax.rl.losses import combine_metrics
 from dsparse_jax.sampling.history import prompt_key
 from dsparse_jax.sampling.sampler import PruneRecord, Rollout, buffer_length
 from dsparse_jax.sampling.speculative import acceptance_summary
-from dsparse_jax.train import distill, quality, rollouts
+from dsparse_jax.train import distill, quality
 from dsparse_jax.train import draft_head as draft_head_train
 from dsparse_jax.train.context import RunContext
-from dsparse_jax.train.grpo import grpo_update, recompute_logprobs
-from dsparse_jax.train.rl_state import RL_DATA_OFFSET, RLSetup, TrainState
+from dsparse_jax.train.grpo import grpo_update
+from dsparse_jax.train.recompute import flatten_metrics, logprobs, of_rollout, rollout_metrics
+from dsparse_jax.train.rl_state import RL_DATA_OFFSET, RLSetup
 from dsparse_jax.train.rollouts import score as grade
+from dsparse_jax.train.trainables import Trainable, TrainState
 
 
 class PhaseLog:
@@ -100,6 +104,52 @@ class Recomputed(NamedTuple):
     teacher_params: Any  # theta before its update (exact KL with distill.teacher=cached)
 
 
+# -------------------------------------------------------------------------------- the step
+def rl_step(
+    ctx: RunContext,
+    setup: RLSetup,
+    st: TrainState,
+    rng,
+    step: int,
+    ref_params=None,
+    samples: list | None = None,
+):
+    """One RL iteration; returns (new TrainState, metrics). With a mesh (setup.plan) every
+    jitted phase runs under it; each process makes its own block of prompts. `samples`, if
+    given, receives a few {prompt, completion, reward} records of this step's rollouts
+    (log.num_samples, this process's rows)."""
+    with sharding.maybe_active(setup.plan):
+        if setup.plan is not None:  # the same key on every process, replicated on the mesh
+            rng = setup.plan.replicate(rng)
+        k_roll, k_select, k_theta, k_phi = jax.random.split(rng, 4)
+        k_draft = jax.random.fold_in(k_phi, 1)
+        log = PhaseLog()
+        gen = log.run("rollout", rollout, ctx, setup, st, k_roll, step)
+        faults.maybe_kill("rl_rollout", step + 1)
+        scored = log.run("score", score, ctx, setup, gen, step)
+        if samples is not None:
+            samples.extend(sample_records(gen, scored, setup.num_samples))
+        sel = log.run("select", select, ctx, setup, st, gen, scored.rewards, k_select, step)
+        head = st.quality_head
+        if gen.prune is not None:  # the quality head learns from this step's completed rows
+            head = log.run("update_head", update_head, ctx, setup, st, gen, scored.rewards)
+        rec = log.run("recompute", recompute, ctx, setup, st, sel, ref_params, step)
+        theta = log.run("update_theta", update_theta, ctx, setup, st, rec, k_theta)
+        faults.maybe_kill("rl_update", step + 1)
+        new = dataclasses.replace(st, theta=theta, quality_head=head)
+        if setup.mode.updates_phi:  # theta frozen: phi tracks the dense policy
+            new.phi = log.run("update_phi", update_phi, ctx, setup, new, sel, rec, k_phi)
+        if st.draft_head is not None:  # the drafter tracks the updated policy
+            batch = {"tokens": sel.kept.tokens, "mask": sel.kept.completion_mask}
+            new.draft_head = log.run(
+                "update_draft_head", update_draft_head, ctx, setup, new, batch, k_draft
+            )
+        m = log.summary()
+        tokens = m.get("tokens_generated", sharding.to_host(gen.rollout.completion_lengths).sum())
+        m["rollout_tokens_per_s"] = float(tokens / m["time_rollout"])
+        return new, m
+
+
 # ------------------------------------------------------------------------------ helpers
 def gather_rows(tree, rows, plan=None):
     if plan is not None:  # one jitted gather on the mesh, rows batch-sharded
@@ -108,45 +158,13 @@ def gather_rows(tree, rows, plan=None):
 
 
 def _chunks(setup: RLSetup, rows: int) -> int:
-    return math.gcd(rows, setup.recompute_chunks)
+    """Row groups of a no-gradient forward (recompute.Settings.row_chunks)."""
+    return math.gcd(rows, setup.recompute.row_chunks)
 
 
-def _draft_record(r: Rollout):
-    """(draft_start, draft_logprobs) of a speculative sparse_self rollout, else None: the
-    actor's twin is then the drafter (distill.recompute)."""
-    return None if r.draft_start is None else (r.draft_start, r.draft_logprobs)
-
-
-def _recompute_rollout(
-    ctx: RunContext, setup: RLSetup, st: TrainState, r: Rollout, twin: bool = True
-) -> dict:
-    """distill.recompute of the rows of `r`: dense theta and, with `twin`, the actor's twin."""
-    return distill.recompute(
-        st.params,
-        st.lora,
-        r.tokens,
-        r.prompt_lengths,
-        r.completion_mask,
-        r.pages(),
-        r.logprobs,
-        _draft_record(r),
-        graphdef=ctx.graphdef,
-        temperature=ctx.config.rl.temperature,
-        dense_spec=ctx.spec,
-        twin_spec=setup.twin_spec if twin else None,
-        lora_scale=setup.lora_scale,
-        chunks=_chunks(setup, r.tokens.shape[0]),
-        **_metric_settings(ctx, setup),
-    )
-
-
-def _metric_settings(ctx: RunContext, setup: RLSetup) -> dict:
-    """The static settings of the recompute's metrics (distill.batch_metrics)."""
-    return dict(
-        bin_width=ctx.config.metrics.position_bin,
-        num_bins=setup.num_bins,
-        draft_tokens=0 if setup.speculative is None else setup.speculative.draft_tokens,
-    )
+def _recompute(ctx, setup: RLSetup, st: TrainState, r: Rollout, twin: bool = True) -> dict:
+    """Dense theta and, with `twin`, the actor's twin on the rows of `r` (recompute.py)."""
+    return of_rollout(ctx.graphdef, st.theta.params, st.lora, r, setup.recompute, twin)
 
 
 @jax.jit
@@ -162,18 +180,21 @@ def _correction_terms(old_logp, rollout_logp, mask, cap, lo, hi):
     }
 
 
-def _minibatch_updates(update, state, opt_state, batch, key, num_minibatches, plan=None, **kw):
-    """`update` over a random split of the batch's rows into minibatches, in sequence."""
+def _minibatch_updates(
+    update, trained: Trainable, batch, key, num_minibatches, plan=None, **kw
+) -> tuple[Trainable, list]:
+    """`update` of `trained` (its transform: tx) over a random split of the batch's rows
+    into minibatches, in sequence; the updated entry and each minibatch's metrics."""
     b = batch["tokens"].shape[0]
     if b % num_minibatches:
         raise ValueError(f"rollout batch {b} not divisible by rl.minibatches={num_minibatches}")
     order = np.asarray(jax.random.permutation(key, b)).reshape(num_minibatches, -1)
-    ms = []
+    state, opt_state, ms = trained.params, trained.opt_state, []
     for rows in order:
         mb = gather_rows(batch, rows, plan)
-        state, opt_state, m = update(state, opt_state, mb, **kw)
+        state, opt_state, m = update(state, opt_state, mb, tx=trained.tx, **kw)
         ms.append(m)
-    return state, opt_state, jax.device_get(ms)
+    return trained.replace(state, opt_state), jax.device_get(ms)
 
 
 def _summarize_updates(ms: list[dict], prefix: str = "") -> dict:
@@ -226,17 +247,18 @@ def select_rows(
     return np.asarray(filtering.flat_kept_indices(idx, m)), metrics
 
 
-def theta_batch(mode: str, kept, adv_B, dense_logp, twin_logp, c):
+def theta_batch(
+    mode: modes.RolloutMode, kept, adv_B, dense_logp, twin_logp, c: corrections.Correction
+):
     """The theta update's batch and the off-policy correction metrics.
 
     old_logp: the trainer's policy before the update: the sparse twin (whose pages ride
     along in the batch) where the mode's trainer is sparse, else dense (theta, no
-    adapter). rl.is_correction (c: the rl config section) against the rollout's log-probs
-    mu: tis adds is_weights = min(pi_old / mu, tis_cap); mis replaces the mask with the
-    MIS mask (mis_level token | sequence). The TIS clip and MIS mask fractions are always
-    measured.
+    adapter). The correction `c` against the rollout's log-probs mu: tis adds is_weights =
+    min(pi_old / mu, tis_cap); mis replaces the mask with the MIS mask (mis_level token |
+    sequence). The TIS clip and MIS mask fractions are always measured.
     """
-    trainer_sparse = modes.get(mode).trainer_sparse
+    trainer_sparse = mode.trainer_sparse
     old_logp = twin_logp if trainer_sparse else dense_logp
     mask = kept.completion_mask
     batch = {"tokens": kept.tokens, "mask": mask, "old_logp": old_logp, "adv": adv_B}
@@ -244,9 +266,9 @@ def theta_batch(mode: str, kept, adv_B, dense_logp, twin_logp, c):
     if trainer_sparse and pages is not None:
         batch["pages"] = pages
     corr, corr_m = _correction_terms(old_logp, kept.logprobs, mask, c.tis_cap, c.mis_lo, c.mis_hi)
-    if c.is_correction == "tis":
+    if c.kind == "tis":
         batch["is_weights"] = corr["tis"]
-    elif c.is_correction == "mis":
+    elif c.kind == "mis":
         batch["mask"] = corr[f"mis_{c.mis_level}"]
     return batch, {k: float(v) for k, v in jax.device_get(corr_m).items()}
 
@@ -258,23 +280,23 @@ def rollout(
     """M samples per prompt from the actor (its attention and adapter: setup.mode) on RL step
     `step`'s prompts, or on those from training index `data_start` on. With a mesh each
     process makes its own block of prompts; the rollout is one global array."""
-    c, plan, p = ctx.config.rl, setup.plan, ctx.config.rl.prompts_per_step
+    plan, p = setup.plan, setup.prompts_per_step
     mine = slice(0, p) if plan is None else plan.local_slice(p)  # this process's prompts
     start = RL_DATA_OFFSET + step * p if data_start is None else data_start
     batch_problems = ctx.task.problems(
-        "train", start + mine.start, mine.stop - mine.start, ctx.config.seed
+        "train", start + mine.start, mine.stop - mine.start, setup.seed
     )
     prompts, lengths = batches.encode_prompts(ctx.tok, batch_problems, ctx.task.prompt_buffer())
     if plan is not None:  # one global batch-sharded array from every process's rows
         prompts, lengths = plan.global_batch(prompts), plan.global_batch(lengths)
-    scfg = rollouts.sampling_config(ctx, c.temperature, setup.m, c.grow_buffer_from)
-    if setup.speculative is not None:
+    scfg = setup.sampling
+    if setup.drafting is not None:
         r, metrics = _speculative_rollout(ctx, setup, st, key, prompts, lengths, scfg)
         return Generated(batch_problems, r), metrics
-    if setup.prune is not None:  # M' rows per prompt, pruned to n (+ label rows) on the way
-        scfg = dataclasses.replace(scfg, samples_per_prompt=setup.prune_generated)
+    if setup.pruning is not None:  # M' rows per prompt, pruned to n (+ label rows) on the way
+        scfg = dataclasses.replace(scfg, samples_per_prompt=setup.pruning.generated)
         r, record = ctx.sampler(
-            st.params,
+            st.theta.params,
             prompts,
             lengths,
             key,
@@ -282,12 +304,12 @@ def rollout(
             setup.rollout_spec,
             st.lora,
             setup.lora_scale,
-            prune=setup.prune,
-            head=st.head,
+            prune=setup.pruning.config,
+            head=st.quality_head.params,
         )
         return Generated(batch_problems, r, record), {}
     r = ctx.sampler(
-        st.params, prompts, lengths, key, scfg, setup.rollout_spec, st.lora, setup.lora_scale
+        st.theta.params, prompts, lengths, key, scfg, setup.rollout_spec, st.lora, setup.lora_scale
     )
     return Generated(batch_problems, r), {}
 
@@ -295,7 +317,7 @@ def rollout(
 def _speculative_rollout(ctx, setup: RLSetup, st: TrainState, key, prompts, lengths, scfg):
     """rollout_mode=speculative: an exact rollout of the dense policy from verified drafts
     (rl.draft); the history drafter reads and then extends the bank of earlier rollouts."""
-    bank, history, slots = setup.history, None, None
+    d, bank, history, slots = setup.drafting, st.history, None, None
     if bank is not None:
         prompts_np, lengths_np = np.asarray(prompts), np.asarray(lengths)
         slots = bank.slots([prompt_key(p[:n]) for p, n in zip(prompts_np, lengths_np)])
@@ -303,15 +325,15 @@ def _speculative_rollout(ctx, setup: RLSetup, st: TrainState, key, prompts, leng
             slots, buffer_length(prompts_np.shape[1], scfg.max_new_tokens, ctx.spec.page_size)
         )
     head = None
-    if setup.draft_head is not None:
-        head = (setup.draft_head.graphdef, st.draft_head)
-    r, stats = ctx.spec_sampler(
-        st.params,
+    if d.head is not None:
+        head = (d.head.graphdef, st.draft_head.params)
+    r, stats = d.sampler(
+        st.theta.params,
         prompts,
         lengths,
         key,
         scfg,
-        setup.speculative,
+        d.config,
         setup.rollout_spec,
         st.lora,
         setup.lora_scale,
@@ -320,7 +342,7 @@ def _speculative_rollout(ctx, setup: RLSetup, st: TrainState, key, prompts, leng
     )
     if bank is not None:
         bank.add(slots, r.tokens, r.lengths, scfg.samples_per_prompt)
-    k = setup.speculative.draft_tokens
+    k = d.config.draft_tokens
     metrics = jax.device_get(acceptance_summary(stats, k))
     return r, {name: float(v) for name, v in metrics.items()}
 
@@ -364,30 +386,17 @@ def _every(every: int, step: int) -> bool:
     return every > 0 and step % every == 0
 
 
-def _all_rows_step(ctx, step: int) -> bool:
+def _all_rows_step(setup: RLSetup, step: int) -> bool:
     """Whether this RL step's mismatch figures are also computed on all M generated rows
     (metrics.all_rows_every)."""
-    return _every(ctx.config.metrics.all_rows_every, step)
+    return _every(setup.recompute.all_rows_every, step)
 
 
-def twin_step(ctx, setup: RLSetup, step: int) -> bool:
+def twin_step(setup: RLSetup, step: int) -> bool:
     """Whether this RL step recomputes the actor's twin: every step where the trainer or
     phi needs it; where only the mismatch figures read it (mode.twin_metrics_only), every
     metrics.twin_every steps (0: never)."""
-    return not setup.mode.twin_metrics_only or _every(ctx.config.metrics.twin_every, step)
-
-
-def _batch_metrics(ctx, setup: RLSetup, r: Rollout, rec: dict) -> dict:
-    """distill.batch_metrics of the rows of `r` from their recompute arrays `rec`."""
-    return distill.batch_metrics(
-        rec,
-        r.tokens,
-        r.prompt_lengths,
-        r.completion_mask,
-        r.logprobs,
-        _draft_record(r),
-        **_metric_settings(ctx, setup),
-    )
+    return not setup.mode.twin_metrics_only or _every(setup.recompute.twin_every, step)
 
 
 def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key, step: int):
@@ -396,25 +405,25 @@ def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key
     metrics.all_rows_every steps, recomputes all M rows first: their mismatch figures are
     logged as all_*, and the recompute phase reuses the kept rows' arrays (the twin on
     the steps `twin_step` says)."""
-    c, plan, n, big_m = ctx.config.rl, setup.plan, setup.n, setup.m
+    s, plan, n, big_m = setup.selection, setup.plan, setup.n, setup.m
     r = gen.rollout
     rec = None
     generated = int(sharding.to_host(r.completion_lengths).sum())
     if gen.prune is not None:  # the kept n of each prompt; label rows only train the head
         generated = int(sharding.to_host(gen.prune.tokens_generated))
-        kept_rows = pruned_kept_rows(len(rewards_all), setup.prune)
+        kept_rows = pruned_kept_rows(len(rewards_all), setup.pruning.config)
         r, rewards_all = gather_rows(r, kept_rows, plan), rewards_all[kept_rows]
-    if big_m > n and (c.selection == "acceptance" or _all_rows_step(ctx, step)):
-        rec = _recompute_rollout(ctx, setup, st, r, twin_step(ctx, setup, step))  # all M rows
+    if big_m > n and (s.kind == "acceptance" or _all_rows_step(setup, step)):
+        rec = _recompute(ctx, setup, st, r, twin_step(setup, step))  # all M rows
     rows, metrics = select_rows(
         rewards_all,
         n,
         big_m,
         key,
-        selection=c.selection,
+        selection=s.kind,
         rollout=r,
         dense_logp=None if rec is None else rec["dense_logp"],
-        acceptance_c=c.acceptance_C,
+        acceptance_c=s.acceptance_c,
     )
     kept, rewards = r, rewards_all
     if big_m > n:
@@ -422,10 +431,10 @@ def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key
     if plan is not None:
         kept = plan.shard_batch(kept)
     if rec is not None:  # all M rows' figures as all_*; the kept rows' from their arrays
-        metrics.update(distill.flatten_metrics(jax.device_get(rec["metrics"]), "all_"))
+        metrics.update(flatten_metrics(jax.device_get(rec["metrics"]), "all_"))
         rec = gather_rows({k: v for k, v in rec.items() if k != "metrics"}, rows, plan)
-        rec["metrics"] = _batch_metrics(ctx, setup, kept, rec)
-    adv_B = grpo_advantages(jnp.asarray(rewards), n, scale_by_std=c.scale_adv_by_std)
+        rec["metrics"] = rollout_metrics(rec, kept, setup.recompute)
+    adv_B = grpo_advantages(jnp.asarray(rewards), n, scale_by_std=s.scale_adv_by_std)
     adv_B = sharding.as_global(plan, adv_B)
     if faults.action("rl_nan", step + 1) == "nan":  # test hook: a non-finite loss
         adv_B = adv_B * jnp.nan
@@ -454,25 +463,26 @@ def update_head(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all
     made before this update: AUC and calibration, weighted by the rows each stands for),
     the reward variance of groups before and after pruning, tokens against an unpruned
     M'-row rollout; then `head_steps` BCE steps on the same rows."""
-    rec, prune = gen.prune, setup.prune
+    rec, prune = gen.prune, setup.pruning.config
     rec_h = jax.device_get(rec)
     rewards = np.asarray(rewards_all)
     f, y, w, s = quality.training_pairs(rec_h, rewards)
     cal = pruning_metrics.calibration(s, y, w)
-    head, opt_state, before, after = quality.head_update(
-        st.head,
-        st.head_opt_state,
+    head = st.quality_head
+    params, opt_state, before, after = quality.head_update(
+        head.params,
+        head.opt_state,
         jnp.asarray(f),
         jnp.asarray(y),
         jnp.asarray(w),
-        tx=setup.head_tx,
-        steps=setup.head_steps,
+        tx=head.tx,
+        steps=setup.pruning.head_steps,
     )
     per = prune.rows_per_prompt
     by_prompt = rewards.reshape(-1, per)
     lengths = sharding.to_host(gen.rollout.completion_lengths).astype(np.float64)
     label = np.asarray(rec_h.is_label)
-    pruned_rows = len(by_prompt) * (setup.prune_generated - per)  # never completed
+    pruned_rows = len(by_prompt) * (setup.pruning.generated - per)  # never completed
     fill = lengths[label].mean() if label.any() else lengths.mean()
     unpruned = lengths.sum() + pruned_rows * fill  # label rows: a random draw of the pruned
     generated = float(rec_h.tokens_generated)
@@ -496,7 +506,7 @@ def update_head(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all
         metrics[f"prune_head_auc_cp{c}"] = pruning_metrics.weighted_auc(
             np.asarray(rec_h.scores)[m, c], rewards[m] >= 1.0, np.asarray(rec_h.weight)[m]
         )
-    return (head, opt_state), metrics
+    return head.replace(params, opt_state), metrics
 
 
 def recompute(ctx, setup: RLSetup, st: TrainState, sel: Selected, ref_params, step: int = 0):
@@ -504,30 +514,29 @@ def recompute(ctx, setup: RLSetup, st: TrainState, sel: Selected, ref_params, st
     actor's twin (on the steps `twin_step` says), exact mismatch metrics; theta's batch
     with its old log-probs and off-policy corrections; the reference log-probs
     (rl.kl_coef > 0); and, where phi is trained, its teacher cached before theta moves."""
-    c, kept = ctx.config.rl, sel.kept
-    rec = sel.rec
+    kept, rec = sel.kept, sel.rec
     if rec is None:
-        rec = _recompute_rollout(ctx, setup, st, kept, twin_step(ctx, setup, step))
+        rec = _recompute(ctx, setup, st, kept, twin_step(setup, step))
     batch, metrics = theta_batch(
-        setup.mode.name, kept, sel.adv, rec["dense_logp"], rec.get("twin_logp"), c
+        setup.mode, kept, sel.adv, rec["dense_logp"], rec.get("twin_logp"), setup.correction
     )
-    if setup.settings.kl_coef > 0:
-        batch["ref_logp"], _ = recompute_logprobs(
+    if setup.grpo.kl_coef > 0:
+        batch["ref_logp"], _ = logprobs(
             ref_params,
             kept.tokens,
             batch.get("pages"),
             graphdef=ctx.graphdef,
-            temperature=c.temperature,
-            spec=setup.settings.spec,
+            temperature=setup.grpo.temperature,
+            spec=setup.grpo.spec,
             chunks=_chunks(setup, kept.tokens.shape[0]),
         )
     teacher_logp = teacher_params = None
     if setup.mode.updates_phi and setup.distill.teacher == "cached":
         if setup.distill.exact:  # the teacher's full logits: theta before its update
-            teacher_params = jax.tree.map(jnp.copy, st.params)
+            teacher_params = jax.tree.map(jnp.copy, st.theta.params)
         else:
             teacher_logp = rec["dense_logp"]
-    flat = distill.flatten_metrics(jax.device_get(rec["metrics"]))
+    flat = flatten_metrics(jax.device_get(rec["metrics"]))
     metrics.update(flat)
     if setup.m == setup.n:  # the kept rows are all the generated rows
         metrics.update({"all_" + k: v for k, v in flat.items()})
@@ -536,47 +545,43 @@ def recompute(ctx, setup: RLSetup, st: TrainState, sel: Selected, ref_params, st
 
 def update_theta(ctx, setup: RLSetup, st: TrainState, rec: Recomputed, key):
     """PPO/GRPO over rl.minibatches minibatches of the kept rows (phi is not an input)."""
-    params, opt_state, ms = _minibatch_updates(
+    theta, ms = _minibatch_updates(
         grpo_update,
-        st.params,
-        st.opt_state,
+        st.theta,
         rec.theta_batch,
         key,
-        ctx.config.rl.minibatches,
+        setup.minibatches,
         setup.plan,
         graphdef=ctx.graphdef,
-        tx=setup.tx,
-        settings=setup.settings,
+        settings=setup.grpo,
     )
-    return (params, opt_state), _summarize_updates(ms)
+    return theta, _summarize_updates(ms)
 
 
 def update_draft_head(ctx, setup: RLSetup, st: TrainState, batch: dict, key, prefix="draft_head_"):
-    """rl.draft=draft_head, after theta's update (st.params is the new theta): the head's
+    """rl.draft=draft_head, after theta's update (st.theta is the new theta): the head's
     soft cross-entropy steps against the detached dense policy on `batch` {"tokens",
     "mask"} (the step's kept rows, or SFT solutions for the warm start), over
     rl.minibatches minibatches (train/draft_head.py)."""
-    h, c = setup.draft_head, ctx.config.rl
-    state, opt_state, ms = _minibatch_updates(
+    h = setup.drafting.head
+    head, ms = _minibatch_updates(
         draft_head_train.head_update,
         st.draft_head,
-        st.draft_head_opt_state,
         batch,
         key,
-        c.minibatches,
+        setup.minibatches,
         setup.plan,
-        params=st.params,
+        params=st.theta.params,
         graphdef=ctx.graphdef,
         head_graphdef=h.graphdef,
         layers=h.layers,
-        tx=h.tx,
         steps=h.steps,
-        temperature=c.temperature or 1.0,
+        temperature=h.temperature,
         loss_weight=h.loss_weight,
         unroll=h.unroll,
     )
     metrics = {prefix + k: float(np.mean([m[k] for m in ms])) for k in ms[0]}
-    return (state, opt_state), metrics
+    return head, metrics
 
 
 def phi_rows(rows: int, stride: int) -> np.ndarray:
@@ -585,12 +590,12 @@ def phi_rows(rows: int, stride: int) -> np.ndarray:
 
 
 def update_phi(ctx, setup: RLSetup, st: TrainState, sel: Selected, rec: Recomputed, key):
-    """theta frozen (st.params is the updated theta): phi's updates on the same rollouts
+    """theta frozen (st.theta is the updated theta): phi's updates on the same rollouts
     (setup.distill: [L_PPO +] lambda D(actor, teacher)), against the dense teacher (cached
     before theta's update, or recomputed with the updated theta), on every
     distill.row_stride-th kept row. In a speculative sparse_self rollout the actor's twin
     is the drafter (batch key draft_start)."""
-    c, kept, stride = ctx.config.rl, sel.kept, ctx.config.distill.row_stride
+    kept, stride = sel.kept, setup.phi_row_stride
     phi_batch = {
         "tokens": kept.tokens,
         "mask": kept.completion_mask,
@@ -607,31 +612,29 @@ def update_phi(ctx, setup: RLSetup, st: TrainState, sel: Selected, rec: Recomput
     teacher_params = rec.teacher_params
     if setup.distill.teacher == "recomputed":
         if setup.distill.exact:  # the teacher's full logits come from a forward in the step
-            teacher_params = st.params
+            teacher_params = st.theta.params
         else:  # dense log-probs of the updated theta
             tokens = phi_batch["tokens"]
-            phi_batch["teacher_logp"], _ = recompute_logprobs(
-                st.params,
+            phi_batch["teacher_logp"], _ = logprobs(
+                st.theta.params,
                 tokens,
                 graphdef=ctx.graphdef,
-                temperature=c.temperature,
+                temperature=setup.distill.temperature,
                 chunks=_chunks(setup, tokens.shape[0]),
             )
-    lora, lora_opt_state, ms = _minibatch_updates(
+    phi, ms = _minibatch_updates(
         distill.phi_update,
-        st.lora,
-        st.lora_opt_state,
+        st.phi,
         phi_batch,
         key,
-        c.minibatches,
+        setup.minibatches,
         setup.plan,
-        params=st.params,
+        params=st.theta.params,
         teacher_params=teacher_params,
         graphdef=ctx.graphdef,
-        tx=setup.lora_tx,
         settings=setup.distill,
     )
-    return (lora, lora_opt_state), _summarize_updates(ms, prefix="phi_")
+    return phi, _summarize_updates(ms, prefix="phi_")
 
 
 def warmup_phi(ctx, setup: RLSetup, st: TrainState, key, i: int):
@@ -639,11 +642,11 @@ def warmup_phi(ctx, setup: RLSetup, st: TrainState, key, i: int):
     rl_state.phi_warmup_setup): the actor's rollout (the mode's, with its draft record in
     speculative sparse_self) of the training prompts before RL's, the twin's mismatch
     figures on it, then phi's update towards theta, which stays frozen."""
-    plan, p = setup.plan, ctx.config.rl.prompts_per_step
+    plan, p = setup.plan, setup.prompts_per_step
     k_roll, k_phi = jax.random.split(key)
     gen, metrics = rollout(ctx, setup, st, k_roll, 0, data_start=RL_DATA_OFFSET - (i + 1) * p)
     kept = gen.rollout if plan is None else plan.shard_batch(gen.rollout)
-    rec = _recompute_rollout(ctx, setup, st, kept)
+    rec = _recompute(ctx, setup, st, kept)
     adv_B = sharding.as_global(plan, jnp.zeros(kept.tokens.shape[0], jnp.float32))  # unread
     teacher_logp = rec["dense_logp"] if setup.distill.teacher == "cached" else None
     phi, phi_metrics = update_phi(
@@ -654,5 +657,5 @@ def warmup_phi(ctx, setup: RLSetup, st: TrainState, key, i: int):
         Recomputed(None, teacher_logp, None),
         k_phi,
     )
-    metrics.update(distill.flatten_metrics(jax.device_get(rec["metrics"])))
+    metrics.update(flatten_metrics(jax.device_get(rec["metrics"])))
     return phi, {**metrics, **phi_metrics}

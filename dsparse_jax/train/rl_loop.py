@@ -1,23 +1,16 @@
-"""The RL loop. One iteration is a fixed sequence of phases (train/phases.py) over the
-rollout mode's properties (rl.rollout_mode; the table is rl/modes.py):
+"""The RL loop: the warm starts before RL step 1, then RL steps (phases.rl_step: the
+phases in order over the rollout mode's properties, rl/modes.py), evaluation and
+checkpoint cadence, resume.
 
-  rollout (M per prompt) -> score -> select (n of M per prompt; GRPO advantages over the
-  kept n) -> recompute (teacher-forced dense + the actor's twin) -> update_theta ->
-  [update_phi: where the mode trains phi, e.g. distillsparse]
-
-Off-policy corrections (rl.is_correction: tis | mis, against the rollout's log-probs mu)
-compose with any mode. Mismatch metrics (trainer-side twin of the actor vs the dense
-policy, exact from full logits) are logged every step; see distill.py.
-
-Resumable: the checkpoint holds params, optimizer state, the RNG key (every step's
-rollout, filter and shuffle keys derive from it), the step, the data position and the
-count of consecutive skipped steps, and where the actor has phi the LoRA tree and its
-optimizer state, and with rl.prune the quality head and its optimizer state; a restart
-continues exactly from the newest usable checkpoint in <workdir>/checkpoints (corrupt
-ones are skipped) and drops metrics of steps it is about to redo. phi's warm start
-(distill.warmup_steps, before RL step 1) ends with a checkpoint at step 0 marked so that
-a resume does not repeat it. A non-finite loss or gradient skips the update; rl.max_consecutive_skips in a row
-halt the run. See docs/reliability.md.
+Resumable: the checkpoint holds the TrainState (every trainable of the run with its
+optimizer state, and the history drafter's bank: train/trainables.py), the RNG key (every
+step's rollout, filter and shuffle keys derive from it), the step, the data position and
+the count of consecutive skipped steps; a restart continues exactly from the newest
+usable checkpoint in <workdir>/checkpoints (corrupt ones are skipped) and drops metrics of
+steps it is about to redo. phi's warm start (distill.warmup_steps, before RL step 1) ends
+with a checkpoint at step 0 marked so that a resume does not repeat it. A non-finite loss
+or gradient skips the update; rl.max_consecutive_skips in a row halt the run. See
+docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -31,74 +24,23 @@ import numpy as np
 
 from dsparse_jax.data import batches
 from dsparse_jax.errors import UserError
-from dsparse_jax.parallel import sharding
 from dsparse_jax.reliability import checkpoints, faults
 from dsparse_jax.report.metrics import MetricsWriter, Progress
 from dsparse_jax.train import phases
 from dsparse_jax.train.context import RunContext
+from dsparse_jax.train.phases import rl_step
 from dsparse_jax.train.rl_state import (
     RL_DATA_OFFSET,
     RLSetup,
-    TrainState,
-    init_state,
     make_setup,
     phi_warmup_setup,
+    phi_warmup_tx,
     place,
 )
+from dsparse_jax.train.trainables import OPTIONAL_KEYS as TRAINABLE_KEYS
+from dsparse_jax.train.trainables import Trainable, TrainState, from_tree, init_state, to_tree
 
 __all__ = ["RL_DATA_OFFSET", "evaluate", "init_state", "make_setup", "rl_step", "train_rl"]
-
-
-# ---------------------------------------------------------------------------------- one step
-def rl_step(
-    ctx: RunContext,
-    setup: RLSetup,
-    st: TrainState,
-    rng,
-    step: int,
-    ref_params=None,
-    samples: list | None = None,
-):
-    """One RL iteration; returns (new TrainState, metrics). With a mesh (setup.plan) every
-    jitted phase runs under it; each process makes its own block of prompts. `samples`, if
-    given, receives a few {prompt, completion, reward} records of this step's rollouts
-    (config.log.num_samples, this process's rows)."""
-    with sharding.maybe_active(setup.plan):
-        if setup.plan is not None:  # the same key on every process, replicated on the mesh
-            rng = setup.plan.replicate(rng)
-        k_roll, k_select, k_theta, k_phi = jax.random.split(rng, 4)
-        k_draft = jax.random.fold_in(k_phi, 1)
-        log = phases.PhaseLog()
-        gen = log.run("rollout", phases.rollout, ctx, setup, st, k_roll, step)
-        faults.maybe_kill("rl_rollout", step + 1)
-        scored = log.run("score", phases.score, ctx, setup, gen, step)
-        if samples is not None:
-            samples.extend(phases.sample_records(gen, scored, ctx.config.log.num_samples))
-        sel = log.run("select", phases.select, ctx, setup, st, gen, scored.rewards, k_select, step)
-        head = (st.head, st.head_opt_state)
-        if gen.prune is not None:  # the quality head learns from this step's completed rows
-            head = log.run("update_head", phases.update_head, ctx, setup, st, gen, scored.rewards)
-        rec = log.run("recompute", phases.recompute, ctx, setup, st, sel, ref_params, step)
-        params, opt_state = log.run(
-            "update_theta", phases.update_theta, ctx, setup, st, rec, k_theta
-        )
-        faults.maybe_kill("rl_update", step + 1)
-        new = dataclasses.replace(
-            st, params=params, opt_state=opt_state, head=head[0], head_opt_state=head[1]
-        )
-        if setup.mode.updates_phi:  # theta frozen: phi tracks the dense policy
-            new.lora, new.lora_opt_state = log.run(
-                "update_phi", phases.update_phi, ctx, setup, new, sel, rec, k_phi
-            )
-        if setup.draft_head is not None:  # the drafter tracks the updated policy
-            batch = {"tokens": sel.kept.tokens, "mask": sel.kept.completion_mask}
-            new.draft_head, new.draft_head_opt_state = log.run(
-                "update_draft_head", phases.update_draft_head, ctx, setup, new, batch, k_draft
-            )
-        m = log.summary()
-        tokens = m.get("tokens_generated", sharding.to_host(gen.rollout.completion_lengths).sum())
-        m["rollout_tokens_per_s"] = float(tokens / m["time_rollout"])
-        return new, m
 
 
 # ------------------------------------------------------------------------------- evaluation
@@ -111,15 +53,15 @@ def evaluate(
     per eval problem, in order), for intervals over problems (harness/results.py)."""
     e = ctx.config.eval
     t0 = time.time()
-    correct = ctx.evaluator.greedy_correct(st.params)
+    correct = ctx.evaluator.greedy_correct(st.theta.params)
     m = {"greedy_accuracy": float(np.mean(correct)), "greedy_correct": correct.astype(int)}
     if e.mean_at_k:
         m[f"mean_at_{e.mean_at_k}"] = ctx.evaluator.mean_at_k(
-            st.params, e.mean_at_k, ctx.config.rl.temperature, key
+            st.theta.params, e.mean_at_k, ctx.config.rl.temperature, key
         )
     if setup.mode.has_twin and e.sparse:
         correct = ctx.evaluator.greedy_correct(
-            st.params, st.lora, setup.lora_scale, spec=setup.rollout_spec
+            st.theta.params, st.lora, setup.lora_scale, spec=setup.rollout_spec
         )
         m["sparse_greedy_accuracy"] = float(np.mean(correct))
         m["sparse_greedy_correct"] = correct.astype(int)
@@ -136,17 +78,11 @@ def evaluate(
 
 
 # ---------------------------------------------------------------------------------- the loop
-# Absent from checkpoints written before them (a run resumed with rl.prune newly enabled
-# starts its quality head fresh; one with rl.draft=history, an empty bank).
-OPTIONAL_KEYS = (
-    "consecutive_skips",
-    "phi_warmup_steps",
-    "quality_head",
-    "quality_head_opt_state",
-    "history",
-    "draft_head",
-    "draft_head_opt_state",
-)
+# The run's progress beside its state (trainables.to_tree). Checkpoints written before the
+# optional ones (and before an optional trainable, trainables.OPTIONAL_KEYS) lack them:
+# they read as 0.
+PROGRESS = ("data_position", "consecutive_skips", "phi_warmup_steps")
+OPTIONAL_KEYS = TRAINABLE_KEYS + PROGRESS[1:]
 
 
 def _saveable(
@@ -155,61 +91,22 @@ def _saveable(
     step: int,
     data_position: int,
     consecutive_skips: int = 0,
-    bank=None,
     phi_warmup_steps: int = 0,
 ) -> dict:
     """The checkpoint tree; phi_warmup_steps: the steps of phi's warm start behind this
     state (0: none), the marker that keeps a resume at step 0 from repeating it."""
-    tree = checkpoints.to_saveable(
-        st.params,
-        st.opt_state,
-        rng=rng,
-        step=step,
-        extra={
-            "data_position": data_position,
-            "consecutive_skips": consecutive_skips,
-            "phi_warmup_steps": phi_warmup_steps,
-        },
-    )
-    if st.lora is not None:  # flat leaf lists, like opt_state (int-keyed dicts stay out)
-        tree["lora"] = jax.tree.leaves(st.lora)
-        tree["lora_opt_state"] = jax.tree.leaves(st.lora_opt_state)
-    if st.head is not None:  # the rollout quality head (rl.prune) and its optimizer
-        tree["quality_head"] = jax.tree.leaves(st.head)
-        tree["quality_head_opt_state"] = jax.tree.leaves(st.head_opt_state)
-    if st.draft_head is not None:  # the learned drafter (rl.draft=draft_head)
-        tree["draft_head"] = jax.tree.leaves(st.draft_head)
-        tree["draft_head_opt_state"] = jax.tree.leaves(st.draft_head_opt_state)
-    if bank is not None:  # the history drafter's bank (rl.draft=history)
-        tree["history"] = bank.state()
+    progress = (data_position, consecutive_skips, phi_warmup_steps)
+    tree = to_tree(st)
+    tree["rng"] = jax.random.key_data(rng)
+    tree["step"] = np.asarray(step, np.int64)
+    tree.update({k: np.asarray(v) for k, v in zip(PROGRESS, progress)})
     return tree
 
 
 def _from_tree(tree: dict, st: TrainState):
-    params, opt_state, rng, step, extra = checkpoints.from_saveable(tree, st.params, st.opt_state)
-    new = TrainState(params=params, opt_state=opt_state)
-    if st.lora is not None:
-        new.lora = jax.tree.unflatten(jax.tree.structure(st.lora), extra["lora"])
-        new.lora_opt_state = jax.tree.unflatten(
-            jax.tree.structure(st.lora_opt_state), extra["lora_opt_state"]
-        )
-    new.head, new.head_opt_state = _optional_pair(extra, "quality_head", st.head, st.head_opt_state)
-    new.draft_head, new.draft_head_opt_state = _optional_pair(
-        extra, "draft_head", st.draft_head, st.draft_head_opt_state
-    )
-    return new, rng, step, extra
-
-
-def _optional_pair(extra: dict, key: str, state, opt_state):
-    """An optional (state, optimizer state) pair saved as flat leaf lists under `key` and
-    `key`_opt_state, unflattened into the templates' structures; the templates themselves
-    where the checkpoint predates the key (or the run has no such state)."""
-    if state is None or key not in extra:
-        return state, opt_state
-    return (
-        jax.tree.unflatten(jax.tree.structure(state), extra[key]),
-        jax.tree.unflatten(jax.tree.structure(opt_state), extra[key + "_opt_state"]),
-    )
+    """(state, rng, step, progress) of a restored tree; `st` is the template."""
+    progress = {k: int(tree.get(k, 0)) for k in PROGRESS}
+    return from_tree(tree, st), jax.random.wrap_key_data(tree["rng"]), int(tree["step"]), progress
 
 
 def _restore(ckpt, latest: int, st: TrainState, rng):
@@ -218,16 +115,16 @@ def _restore(ckpt, latest: int, st: TrainState, rng):
 
 
 def restore_state(ckpt, step: int, st: TrainState) -> TrainState:
-    """theta (and phi) of the RL checkpoint at `step`; `st` is the template (init_state)."""
+    """The state of the RL checkpoint at `step`; `st` is the template (init_state)."""
     return _restore(ckpt, step, st, jax.random.key(0))[0]
 
 
-def _resume(ckpt, st: TrainState, rng, mode: str, prompts_per_step: int, bank=None):
+def _resume(ckpt, st: TrainState, rng, mode: str, prompts_per_step: int):
     """(state, rng, step, consecutive skips, phi's warm-start steps behind the state) from
     the newest usable checkpoint, if any (a checkpoint at step 0 is the one saved after
     phi's warm start; checkpoints older than the marker count none)."""
     try:
-        found = ckpt.restore_latest(_saveable(st, rng, 0, 0, bank=bank), OPTIONAL_KEYS)
+        found = ckpt.restore_latest(_saveable(st, rng, 0, 0), OPTIONAL_KEYS)
     except checkpoints.IncompatibleCheckpoint as e:  # e.g. another rollout mode
         raise UserError(
             f"cannot resume from {ckpt.directory} in rl.rollout_mode={mode}: {e}"
@@ -236,26 +133,25 @@ def _resume(ckpt, st: TrainState, rng, mode: str, prompts_per_step: int, bank=No
         raise UserError(f"{ckpt.directory}: {e}") from None
     if found is None:
         return st, rng, 0, 0, 0
-    st, rng, step, extra = _from_tree(found[1], st)
-    if bank is not None and "history" in extra:
-        bank.load(extra["history"])
-    position = int(extra["data_position"])
+    st, rng, step, progress = _from_tree(found[1], st)
+    position = progress["data_position"]
     if position != RL_DATA_OFFSET + step * prompts_per_step:
         raise UserError(
             f"cannot resume from {ckpt.directory} step {step}: data position "
             f"{position} does not match rl.prompts_per_step={prompts_per_step}"
         )
-    skips, warmed = (int(extra.get(k, 0)) for k in ("consecutive_skips", "phi_warmup_steps"))
-    return st, rng, step, skips, warmed
+    return st, rng, step, progress["consecutive_skips"], progress["phi_warmup_steps"]
 
 
 def warm_start_draft_head(ctx: RunContext, setup: RLSetup, st: TrainState, writer) -> TrainState:
     """rl.draft_head.warmup_steps before RL step 1: the head learns the warm-start policy on
     SFT solutions (teacher-forced batches of the training split, prompts_per_step *
     samples_per_prompt rows each, one Adam step each). Logged as phase draft_warmup."""
-    h, c = setup.draft_head, ctx.config.rl
+    h, c = setup.drafting.head, ctx.config.rl
     rows = c.prompts_per_step * c.samples_per_prompt
-    one_step = dataclasses.replace(setup, draft_head=dataclasses.replace(h, steps=1))
+    one_step = dataclasses.replace(
+        setup, drafting=dataclasses.replace(setup.drafting, head=dataclasses.replace(h, steps=1))
+    )
     t0, progress = time.time(), Progress("draft_warmup", h.warmup_steps, every=ctx.config.log.every)
     key = jax.random.key(ctx.config.seed + 6)
     for i in range(h.warmup_steps):
@@ -266,7 +162,7 @@ def warm_start_draft_head(ctx: RunContext, setup: RLSetup, st: TrainState, write
         batch = {"tokens": jnp.asarray(tokens), "mask": jnp.asarray(mask)}
         if setup.plan is not None:
             batch = setup.plan.shard_batch(batch)
-        (st.draft_head, st.draft_head_opt_state), m = phases.update_draft_head(
+        st.draft_head, m = phases.update_draft_head(
             ctx, one_step, st, batch, jax.random.fold_in(key, i), prefix=""
         )
         progress.update(i + 1, m, ("loss", "kl", "top1_agree"))
@@ -282,20 +178,20 @@ def warm_start_phi(ctx: RunContext, setup: RLSetup, st: TrainState, writer) -> T
     with an optimizer state of its own (rl_state.phi_warmup_setup; RL's phi optimizer
     starts fresh after it). Logged as phase phi_warmup, one record per step."""
     total = ctx.config.distill.warmup_steps
-    warm = phi_warmup_setup(setup, ctx.config.lora)
-    phi = dataclasses.replace(st, lora_opt_state=place(setup, warm.lora_tx.init(st.lora)))
+    warm, tx = phi_warmup_setup(setup), phi_warmup_tx(ctx.config.lora)
+    phi = dataclasses.replace(st, phi=Trainable(st.lora, place(setup, tx.init(st.lora)), tx))
     progress = Progress("phi_warmup", total, every=ctx.config.log.every)
     key = jax.random.key(ctx.config.seed + 7)
     for i in range(total):
         log = phases.PhaseLog()
-        phi.lora, phi.lora_opt_state = log.run(
+        phi.phi = log.run(
             "phi_warmup", phases.warmup_phi, ctx, warm, phi, jax.random.fold_in(key, i), i
         )
         m = log.summary()
         writer.write("phi_warmup", i + 1, m)
         progress.update(i + 1, m, ("kl_exact", "alpha_mean", "phi_loss"))
     progress.close()
-    return dataclasses.replace(st, lora=phi.lora)
+    return dataclasses.replace(st, phi=dataclasses.replace(st.phi, params=phi.lora))
 
 
 def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
@@ -308,9 +204,7 @@ def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
     if setup.plan is None:  # committed, like a restored key (see init_state)
         rng = jax.device_put(rng, jax.devices()[0])
     ckpt = checkpoints.Checkpointer(workdir, "checkpoints", keep=ctx.config.checkpoint.keep)
-    st, rng, step, skips, warmed = _resume(
-        ckpt, st, rng, setup.mode.name, c.prompts_per_step, setup.history
-    )
+    st, rng, step, skips, warmed = _resume(ckpt, st, rng, setup.mode.name, c.prompts_per_step)
     if step:
         print(f"[rl] resuming from checkpoint at step {step}", flush=True)
     elif warmed:
@@ -321,7 +215,7 @@ def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
     writer.drop_after("eval", step if step else -1)
     writer.drop_after("phi_warmup", warmed)
     # A copy: the first update donates sft_params' buffers.
-    ref_params = jax.tree.map(jnp.copy, sft_params) if setup.settings.kl_coef > 0 else None
+    ref_params = jax.tree.map(jnp.copy, sft_params) if setup.grpo.kl_coef > 0 else None
     if setup.plan is not None:
         ref_params = setup.plan.shard_state(ref_params)
     if step == 0:
@@ -329,13 +223,13 @@ def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
             st = warm_start_phi(ctx, setup, st, writer)
             warmed = ctx.config.distill.warmup_steps
             try:  # step 0, marked, written before RL starts: a resume goes on from here
-                tree = _saveable(st, rng, 0, RL_DATA_OFFSET, 0, setup.history, warmed)
+                tree = _saveable(st, rng, 0, RL_DATA_OFFSET, 0, warmed)
                 ckpt.save(0, tree, force=True)
                 ckpt.wait()
             except checkpoints.CheckpointError as e:  # non-finite phi: never saved
                 ckpt.close()
                 raise SystemExit(f"[rl] halted after phi's warm start: {e}") from None
-        if setup.draft_head is not None and setup.draft_head.warmup_steps:
+        if st.draft_head is not None and setup.drafting.head.warmup_steps:
             st = warm_start_draft_head(ctx, setup, st, writer)
         evaluate(ctx, setup, st, 0, writer, jax.random.key(ctx.config.seed + 2))
 
@@ -376,7 +270,6 @@ def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
                         step,
                         RL_DATA_OFFSET + step * c.prompts_per_step,
                         skips,
-                        setup.history,
                         warmed,
                     ),
                     force=step == c.num_steps,
@@ -388,4 +281,4 @@ def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
             faults.maybe_kill("rl_checkpoint", step)  # the write is still in flight
     progress.close()
     ckpt.close()
-    return st.params
+    return st.theta.params

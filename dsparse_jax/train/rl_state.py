@@ -1,6 +1,8 @@
-"""What an RL run derives once from its config (RLSetup) and what it carries from step to
-step (TrainState). The rollout mode's properties (rl/modes.py) decide every choice here:
-the actor's and the trainer's attention, and whether phi exists and is trained."""
+"""What an RL run derives once from its config (RLSetup), grouped by feature, and the
+optimizers of its trainables, whose schedules are stated in RL steps. The rollout mode's
+properties (rl/modes.py) decide every choice here: the actor's and the trainer's
+attention, and whether phi exists and is trained. What a run carries from step to step
+is train/trainables.py."""
 
 from __future__ import annotations
 
@@ -13,22 +15,20 @@ from flax import nnx
 from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.config.validate import prune_positions, prune_sizes
 from dsparse_jax.model import draft_head, quality_head
-from dsparse_jax.model.lora import init_lora
 from dsparse_jax.parallel import sharding
 from dsparse_jax.rl import modes
-from dsparse_jax.sampling.history import HistoryBank
+from dsparse_jax.rl.corrections import Correction
 from dsparse_jax.sampling.pruning import PruneConfig
-from dsparse_jax.sampling.sampler import buffer_length
-from dsparse_jax.sampling.speculative import SpeculativeConfig
-from dsparse_jax.train import distill, quality, steps
-from dsparse_jax.train import draft_head as draft_head_train
+from dsparse_jax.sampling.sampler import SamplingConfig, buffer_length
+from dsparse_jax.sampling.speculative import SpeculativeConfig, SpeculativeSampler
+from dsparse_jax.train import distill, recompute, rollouts, steps
 from dsparse_jax.train.context import RunContext
 from dsparse_jax.train.grpo import GRPOSettings
 
 RL_DATA_OFFSET = 10_000_000  # RL prompts come from train indices disjoint from SFT's
 
 
-def settings_from(c, spec: AttentionSpec = AttentionSpec()) -> GRPOSettings:
+def grpo_settings(c, spec: AttentionSpec = AttentionSpec()) -> GRPOSettings:
     return GRPOSettings(
         temperature=c.temperature,
         clip_low=c.clip_low,
@@ -72,47 +72,14 @@ def optimizer_from(section, per_rl_step: int, num_rl_steps: int):
     )
 
 
-@dataclasses.dataclass
-class TrainState:
-    """theta (+ its optimizer) and, where the actor applies it, phi (+ its own optimizer)."""
-
-    params: object
-    opt_state: object
-    lora: dict | None = None
-    lora_opt_state: object = None
-    head: dict | None = None  # the rollout quality head (rl.prune; model/quality_head.py)
-    head_opt_state: object = None
-    draft_head: object = None  # rl.draft=draft_head: the learned drafter's nnx.State
-    draft_head_opt_state: object = None
-
-
 @dataclasses.dataclass(frozen=True)
-class RLSetup:
-    """What a run derives once from its config (optimizers, static settings, specs)."""
+class Pruning:
+    """rl.prune: online rollout pruning and the quality head that ranks the rows."""
 
-    mode: modes.RolloutMode
-    n: int  # kept samples per prompt (GRPO group)
-    m: int  # generated samples per prompt (M >= n)
-    tx: object
-    settings: GRPOSettings  # theta's update; settings.spec is the trainer's attention
-    rollout_spec: AttentionSpec  # the actor's attention
-    twin_spec: AttentionSpec | None  # the trainer-side twin of the actor (None: dense actor)
-    lora_scale: float = 1.0
-    lora_tx: object = None
-    distill: distill.DistillSettings | None = None  # phi's update (mode.updates_phi)
-    num_bins: int = 1
-    plan: sharding.MeshPlan | None = None  # the device mesh (None: one device, unsharded)
-    speculative: SpeculativeConfig | None = None  # rollout_mode=speculative: the drafter
-    history: HistoryBank | None = None  # rl.draft=history: earlier rollouts, across steps
-    # Teacher-forced no-gradient forwards run in gcd(rows, this) chunks of rows: the
-    # update's microbatch size, the largest group the config already runs at once.
-    recompute_chunks: int = 1
-    prune: PruneConfig | None = None  # online rollout pruning (rl.prune.enabled)
-    prune_generated: int = 0  # M' rows generated per prompt when pruning
-    head_cfg: quality_head.HeadConfig | None = None
-    head_tx: object = None
-    head_steps: int = 0
-    draft_head: "DraftHeadSetup | None" = None  # rl.draft=draft_head
+    config: PruneConfig  # the sampler's: checkpoints, kept sizes, rho, label rows, head layer
+    generated: int  # M' rows generated per prompt
+    head: quality_head.HeadConfig
+    head_steps: int  # the head's Adam steps per RL step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,11 +88,63 @@ class DraftHeadSetup:
 
     graphdef: object
     layers: tuple[int, ...]
-    tx: object
     steps: int
     loss_weight: float
     warmup_steps: int
     unroll: int  # draft steps trained on its own unroll (train/draft_head.py)
+    temperature: float  # the policy's and the head's distributions (rl.temperature, or 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafting:
+    """rollout_mode=speculative: the drafter (rl.draft) and what it drafts from."""
+
+    sampler: SpeculativeSampler
+    config: SpeculativeConfig  # the speculative sampler's settings
+    # rl.draft=history: the bank's (prompts, rows per prompt, width); the bank itself is run
+    # state (trainables.TrainState.history)
+    history_size: tuple[int, int, int] | None = None
+    head: DraftHeadSetup | None = None  # rl.draft=draft_head
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """The select phase: which n of each prompt's M samples it keeps, their advantages."""
+
+    kind: str  # rl.selection: reward | acceptance (rate vs the dense policy)
+    acceptance_c: float  # rl.acceptance_C
+    scale_adv_by_std: bool  # False: Dr. GRPO
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSetup:
+    """What a run derives once from its config: the phases (train/phases.py) read these
+    and nothing else of it. By phase, then by feature; the trainables and their optimizers
+    are run state (train/trainables.py)."""
+
+    mode: modes.RolloutMode
+    plan: sharding.MeshPlan | None  # the device mesh (None: one device, unsharded)
+    # rollout
+    prompts_per_step: int
+    seed: int  # config.seed: which training problems each step's prompts are
+    m: int  # generated samples per prompt (M >= n)
+    sampling: SamplingConfig  # the rollout's: M per prompt at rl.temperature
+    rollout_spec: AttentionSpec  # the actor's attention
+    lora_scale: float  # phi's scale in the actor (1.0: no adapter)
+    pruning: Pruning | None  # rl.prune.enabled
+    drafting: Drafting | None  # rollout_mode=speculative
+    num_samples: int  # log.num_samples: prompts of each step recorded in samples.jsonl
+    # select
+    n: int  # kept samples per prompt (GRPO group)
+    selection: Selection
+    # recompute
+    recompute: recompute.Settings  # dense theta and the actor's twin, their figures
+    # the updates: each runs rl.minibatches minibatches per RL step
+    minibatches: int
+    grpo: GRPOSettings  # theta's; grpo.spec is the trainer's attention
+    correction: Correction  # theta's batch (rl.is_correction)
+    distill: distill.DistillSettings | None  # phi's (mode.updates_phi)
+    phi_row_stride: int  # distill.row_stride: phi trains on every this-th kept row
 
 
 def draft_head_setup(c, model_cfg) -> DraftHeadSetup:
@@ -139,34 +158,56 @@ def draft_head_setup(c, model_cfg) -> DraftHeadSetup:
     return DraftHeadSetup(
         graphdef=graphdef,
         layers=layers,
-        tx=draft_head_train.make_tx(h.learning_rate, h.max_grad_norm),
         steps=h.steps,
         loss_weight=float(h.loss_weight),
         warmup_steps=h.warmup_steps,
         unroll=min(h.unroll, c.draft_tokens),  # a draft has draft_tokens steps to unroll
+        temperature=c.temperature or 1.0,
     )
 
 
-def prune_setup(c, d_model: int) -> dict:
-    """RLSetup's pruning fields from the rl config section (empty when off)."""
+def pruning_from(c, d_model: int) -> Pruning | None:
+    """rl.prune (c: the rl config section), None when off."""
     p = c.prune
     if not p.enabled:
-        return {}
+        return None
     n, pos = c.samples_per_prompt, prune_positions(p.positions)
     m = p.generated or 2 * n
-    return dict(
-        prune=PruneConfig(
+    return Pruning(
+        config=PruneConfig(
             positions=pos,
             sizes=prune_sizes(m, n, len(pos)),
             rho=p.rho,
             label_rows=p.label_rows,
             layer=p.layer,
         ),
-        prune_generated=m,
-        head_cfg=quality_head.HeadConfig(d_model, hidden=p.head_hidden, layer=p.layer),
-        head_tx=quality.make_tx(p.head_learning_rate),
+        generated=m,
+        head=quality_head.HeadConfig(d_model, hidden=p.head_hidden, layer=p.layer),
         head_steps=p.head_steps,
     )
+
+
+def drafting_from(ctx: RunContext, mode: modes.RolloutMode) -> Drafting | None:
+    """rollout_mode=speculative's drafter, None in the other modes."""
+    c = ctx.config.rl
+    if not mode.speculative:
+        return None
+    config = SpeculativeConfig(
+        draft=c.draft,
+        draft_tokens=c.draft_tokens,
+        ngram=c.history_ngram,
+        record_pages=mode.updates_phi,  # the phi update's twin replays the draft's pages
+    )
+    drafting = Drafting(SpeculativeSampler(ctx.graphdef), config)
+    if c.draft == "history":
+        width = buffer_length(
+            ctx.task.prompt_buffer(), ctx.task.completion_budget(), ctx.spec.page_size
+        )
+        size = (c.history_prompts, c.history_per_prompt, width)
+        return dataclasses.replace(drafting, history_size=size)
+    if c.draft == "draft_head":
+        return dataclasses.replace(drafting, head=draft_head_setup(c, ctx.model_cfg))
+    return drafting
 
 
 def make_setup(ctx: RunContext) -> RLSetup:
@@ -177,10 +218,8 @@ def make_setup(ctx: RunContext) -> RLSetup:
     rollout_spec = ctx.rollout_spec if mode.actor_sparse else ctx.spec
     trainer_spec = rollout_spec if mode.trainer_sparse else ctx.spec
     lora_scale = ctx.lora_cfg.scale if mode.actor_lora else 1.0
-    per_rl_step = optimizer_steps_per_rl_step(c)
-    lora_tx, dset = None, None
+    dset = None
     if mode.updates_phi:
-        lora_tx = optimizer_from(ctx.config.lora, per_rl_step["phi"], c.num_steps)
         d = ctx.config.distill
         objective = modes.phi_objective(mode, d.loss, d.teacher, d.kl)
         dset = distill.DistillSettings(
@@ -199,45 +238,41 @@ def make_setup(ctx: RunContext) -> RLSetup:
             microbatches=c.microbatches,
         )
     bins = max(1, math.ceil(ctx.task.completion_budget() / ctx.config.metrics.position_bin))
-    spec_cfg = bank = None
-    if mode.speculative:
-        spec_cfg = SpeculativeConfig(
-            draft=c.draft,
-            draft_tokens=c.draft_tokens,
-            ngram=c.history_ngram,
-            record_pages=mode.updates_phi,  # the phi update's twin replays the draft's pages
-        )
-        if c.draft == "history":
-            width = buffer_length(
-                ctx.task.prompt_buffer(),
-                ctx.task.completion_budget(),
-                ctx.spec.page_size,
-            )
-            bank = HistoryBank(c.history_prompts, c.history_per_prompt, width)
     plan = sharding.plan_from_config(ctx.config)
     sharding.check_rl_batches(plan, c)
     return RLSetup(
-        plan=plan,
         mode=mode,
-        n=n,
+        plan=plan,
+        prompts_per_step=c.prompts_per_step,
+        seed=ctx.config.seed,
         m=m,
-        tx=optimizer_from(c, per_rl_step["theta"], c.num_steps),
-        settings=settings_from(c, trainer_spec),
+        sampling=rollouts.sampling_config(ctx, c.temperature, m, c.grow_buffer_from),
         rollout_spec=rollout_spec,
-        twin_spec=rollout_spec if mode.has_twin else None,
         lora_scale=lora_scale,
-        lora_tx=lora_tx,
-        distill=dset,
-        num_bins=bins,
-        recompute_chunks=c.minibatches * c.microbatches,
-        speculative=spec_cfg,
-        history=bank,
-        draft_head=(
-            draft_head_setup(c, ctx.model_cfg)
-            if mode.speculative and c.draft == "draft_head"
-            else None
+        pruning=pruning_from(c, ctx.model_cfg.d_model),
+        drafting=drafting_from(ctx, mode),
+        num_samples=ctx.config.log.num_samples,
+        n=n,
+        selection=Selection(c.selection, c.acceptance_C, c.scale_adv_by_std),
+        recompute=recompute.Settings(
+            temperature=c.temperature,
+            dense_spec=ctx.spec,
+            twin_spec=rollout_spec if mode.has_twin else None,
+            lora_scale=lora_scale,
+            # gcd(rows, this) rows per forward: the update's microbatch size, the largest
+            # group the config already runs at once
+            row_chunks=c.minibatches * c.microbatches,
+            bin_width=ctx.config.metrics.position_bin,
+            num_bins=bins,
+            draft_tokens=c.draft_tokens if mode.speculative else 0,
+            twin_every=ctx.config.metrics.twin_every,
+            all_rows_every=ctx.config.metrics.all_rows_every,
         ),
-        **prune_setup(c, ctx.model_cfg.d_model),
+        minibatches=c.minibatches,
+        grpo=grpo_settings(c, trainer_spec),
+        correction=Correction(c.is_correction, c.tis_cap, c.mis_lo, c.mis_hi, c.mis_level),
+        distill=dset,
+        phi_row_stride=ctx.config.distill.row_stride,
     )
 
 
@@ -247,13 +282,17 @@ def make_setup(ctx: RunContext) -> RLSetup:
 WARMUP_TEACHER = {False: "cached", True: "recomputed"}
 
 
-def phi_warmup_setup(setup: RLSetup, lora_section) -> RLSetup:
+def phi_warmup_setup(setup: RLSetup) -> RLSetup:
     """The setup of phi's warm start: n samples per prompt, no pruning, phi's objective
-    without its PPO term (loss kl_only; the mode's divergence), and its own optimizer:
-    AdamW at lora.learning_rate (lora_section), constant."""
+    without its PPO term (loss kl_only; the mode's divergence)."""
     d = setup.distill
     d = dataclasses.replace(d, loss="kl_only", teacher=WARMUP_TEACHER[d.exact])
-    tx = steps.make_optimizer(
+    return dataclasses.replace(setup, m=setup.n, pruning=None, distill=d)
+
+
+def phi_warmup_tx(lora_section):
+    """phi's own optimizer in its warm start: AdamW at lora.learning_rate, constant."""
+    return steps.make_optimizer(
         lora_section.learning_rate,
         warmup_steps=0,
         total_steps=1,
@@ -261,7 +300,6 @@ def phi_warmup_setup(setup: RLSetup, lora_section) -> RLSetup:
         max_grad_norm=lora_section.max_grad_norm,
         schedule="constant",
     )
-    return dataclasses.replace(setup, m=setup.n, prune=None, distill=d, lora_tx=tx)
 
 
 def place(setup: RLSetup, tree):
@@ -270,25 +308,3 @@ def place(setup: RLSetup, tree):
     if setup.plan is None:
         return jax.device_put(tree, jax.devices()[0])
     return setup.plan.shard_state(tree)
-
-
-def init_state(ctx: RunContext, setup: RLSetup, params) -> TrainState:
-    put = lambda t: place(setup, t)
-    params = put(params)
-    st = TrainState(params=params, opt_state=put(setup.tx.init(params)))
-    if setup.mode.actor_lora:
-        st.lora = put(init_lora(ctx.model_cfg, ctx.lora_cfg, jax.random.key(ctx.config.seed + 3)))
-    if setup.mode.updates_phi:
-        st.lora_opt_state = put(setup.lora_tx.init(st.lora))
-    if setup.prune is not None:
-        head, head_opt = quality.init(
-            setup.head_cfg, setup.head_tx, jax.random.key(ctx.config.seed + 4)
-        )
-        st.head, st.head_opt_state = put(head), put(head_opt)
-    if setup.draft_head is not None:
-        h = setup.draft_head
-        _, state = draft_head.create(
-            ctx.model_cfg, draft_head.DraftHeadConfig(h.layers), jax.random.key(ctx.config.seed + 5)
-        )
-        st.draft_head, st.draft_head_opt_state = put(state), put(h.tx.init(state))
-    return st

@@ -1,4 +1,6 @@
-"""Pure functions for the jitted steps: teacher-forced log-probs, SFT and GRPO updates.
+"""Pure functions for the jitted steps: the optimizer, one update (skipping non-finite
+steps), exact microbatch accumulation, and the SFT step. The teacher-forced forward they
+differentiate is train/recompute.token_logprobs.
 
 Every [B, S] array is aligned with the token buffer: entry s refers to token s (its
 log-prob given tokens < s); entry 0 is 0. Params are an nnx.State that enters jit as an
@@ -12,43 +14,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
-from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.rl import losses
-
-
-def token_logprobs(
-    graphdef,
-    params,
-    tokens_BxS,
-    *,
-    temperature: float = 1.0,
-    spec: AttentionSpec = AttentionSpec(),
-    pages=None,
-    lora=None,
-    lora_scale: float = 1.0,
-    draft_start=None,
-    with_logits: bool = False,
-):
-    """Teacher-forced log p(token_s | tokens_<s) under log_softmax(logits / temperature).
-
-    draft_start: the self-speculative drafter's record (Transformer.forward). Returns
-    (logp_BxS, entropy_BxS) and, if with_logits, the scaled logits [B, S, V] aligned the
-    same way (row s = the distribution token s was drawn from).
-    """
-    model = nnx.merge(graphdef, params)
-    logits = model.forward(
-        tokens_BxS, spec, pages=pages, lora=lora, lora_scale=lora_scale, draft_start=draft_start
-    )
-    logits = logits / max(temperature, 1e-6)
-    logits = jnp.pad(logits[:, :-1], ((0, 0), (1, 0), (0, 0)))  # row s predicts token s
-    logp_all = jax.nn.log_softmax(logits, axis=-1)
-    logp = jnp.take_along_axis(logp_all, tokens_BxS[..., None], axis=-1)[..., 0]
-    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
-    logp = logp.at[:, 0].set(0.0)
-    entropy = entropy.at[:, 0].set(0.0)
-    return (logp, entropy, logits) if with_logits else (logp, entropy)
+from dsparse_jax.train.recompute import token_logprobs
 
 
 def make_optimizer(
@@ -106,15 +74,6 @@ def split_microbatches(mb: dict, n: int) -> dict:
         return x.reshape(n, x.shape[0] // n, *x.shape[1:])
 
     return jax.tree.map(split, mb)
-
-
-def map_row_chunks(fn, rows: dict, chunks: int):
-    """fn(rows) computed on `chunks` equal groups of rows in sequence (lax.map) and
-    concatenated back to [B, ...]: peak memory of B / chunks rows, one compiled body."""
-    if chunks == 1:
-        return fn(rows)
-    out = jax.lax.map(fn, split_microbatches(rows, chunks))
-    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), out)
 
 
 def accumulated_update(terms_fn, wrt, opt_state, mb: dict, microbatches: int, tx):

@@ -13,7 +13,8 @@ from dsparse_jax.errors import UserError
 from dsparse_jax.reliability import checkpoints
 from dsparse_jax.train import rl_loop, sft
 from dsparse_jax.train.context import RunContext
-from dsparse_jax.train.rl_state import RLSetup, init_state, make_setup
+from dsparse_jax.train.rl_state import RLSetup, make_setup
+from dsparse_jax.train.trainables import init_state
 
 
 @dataclasses.dataclass
@@ -57,7 +58,10 @@ def load(ctx: RunContext, workdir: str, step: int | None = None) -> Trained:
                 raise UserError(f"{rl_dir}/{use}: {e}") from None
             finally:
                 ckpt.close()
-            return Trained(st.params, st.lora, setup, f"rl step {use}", use, st.head, st.draft_head)
+            head, drafter = (
+                None if t is None else t.params for t in (st.quality_head, st.draft_head)
+            )
+            return Trained(st.theta.params, st.lora, setup, f"rl step {use}", use, head, drafter)
         ckpt.close()
     found = sft.restore(ctx, workdir, step)
     if found is None:
