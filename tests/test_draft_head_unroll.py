@@ -7,7 +7,7 @@
   also equals the teacher-forced logits at every position. Planted bugs (the true feature
   instead of the head's own output; the block's own entries one position late) fail it.
 - Its masks: step j trains only where the block start t - j is a completion token.
-- head_update with unroll trains the unrolled steps (their KL falls on a fixed batch).
+- draft_head_update with unroll trains the unrolled steps (their KL falls on a fixed batch).
 - rl.draft_head.unroll is validated (an integer in [0, rl.draft_tokens]).
 
 Tiny all-global model (3 layers, 2 KV heads), f32.
@@ -59,7 +59,7 @@ def drafted(models):
         head=head,
         model=policy,
         cfg=SamplingConfig(8, VOCAB + 1, 0, temperature=1.0),
-        spec_cfg=SP.SpeculativeConfig(draft="draft_head", draft_tokens=K),
+        speculative_cfg=SP.SpeculativeConfig(draft="draft_head", draft_tokens=K),
     )
     rows = jnp.arange(2)
     tokens = jnp.asarray(np.random.default_rng(0).integers(2, VOCAB, (2, S)), jnp.int32)
@@ -138,8 +138,8 @@ def test_head_update_trains_the_unrolled_steps(models):
     tokens = jnp.asarray(np.random.default_rng(1).integers(2, VOCAB, (4, S)), jnp.int32)
     mask = jnp.zeros((4, S)).at[:, 4:].set(1.0)
     tx = draft_head_train.make_tx(3e-3, 1.0)
-    hs = jax.tree.map(jnp.copy, hs)  # head_update donates it
-    _, _, m = draft_head_train.head_update(
+    hs = jax.tree.map(jnp.copy, hs)  # draft_head_update donates it
+    _, _, m = draft_head_train.draft_head_update(
         hs,
         tx.init(hs),
         {"tokens": tokens, "mask": mask},

@@ -40,7 +40,9 @@ def setup():
     rng = np.random.default_rng(1)
     lengths = np.array([5, 8, 3])
     prompts = np.where(np.arange(8) < lengths[:, None], rng.integers(2, VOCAB, (P, 8)), 0)
-    head = quality_head.init_head(quality_head.HeadConfig(cfg.d_model, hidden=8), jax.random.key(2))
+    head = quality_head.init_quality_head(
+        quality_head.QualityHeadConfig(cfg.d_model, hidden=8), jax.random.key(2)
+    )
     head["w2"] = jax.random.normal(jax.random.key(3), head["w2"].shape) * 3.0
     sampler = Sampler(graphdef)
     key = jax.random.key(11)
@@ -103,7 +105,7 @@ def test_compacted_caches_pages_and_features_belong_to_their_rows():
                 continue
             last = p0 + min(pos, c) - 1  # the prefix of `pos` tokens (or the whole completion)
             np.testing.assert_allclose(rec.feats[b, ci], hidden[b, last], atol=1e-4)
-            want = quality_head.head_probs(head, jnp.asarray(hidden[b, last][None]))[0]
+            want = quality_head.quality_probs(head, jnp.asarray(hidden[b, last][None]))[0]
             assert abs(rec.scores[b, ci] - float(want)) < 1e-4
     assert checked > 50
 
@@ -184,18 +186,18 @@ def test_head_learns_a_synthetic_signal():
 
     x, y = data(1024)
     xt, yt = data(512)
-    cfg = quality_head.HeadConfig(d, hidden=32)
+    cfg = quality_head.QualityHeadConfig(d, hidden=32)
     tx = quality.make_tx(1e-2)
     head, opt = quality.init(cfg, tx, jax.random.key(0))
-    assert abs(pruning_metrics.weighted_auc(quality_head.head_probs(head, xt), yt) - 0.5) < 1e-9
+    assert abs(pruning_metrics.weighted_auc(quality_head.quality_probs(head, xt), yt) - 0.5) < 1e-9
     for _ in range(5):
-        head, opt, before, after = quality.head_update(
+        head, opt, before, after = quality.quality_head_update(
             head, opt, x, y, jnp.ones_like(y), tx=tx, steps=40
         )
         assert float(after) <= float(before)
-    auc = pruning_metrics.weighted_auc(np.asarray(quality_head.head_probs(head, xt)), yt)
+    auc = pruning_metrics.weighted_auc(np.asarray(quality_head.quality_probs(head, xt)), yt)
     assert auc > 0.9, auc
-    cal = pruning_metrics.calibration(np.asarray(quality_head.head_probs(head, xt)), yt)
+    cal = pruning_metrics.calibration(np.asarray(quality_head.quality_probs(head, xt)), yt)
     assert cal["ece"] < 0.1, cal
 
 

@@ -46,9 +46,9 @@ def rollout():
     prompts = np.random.default_rng(0).integers(2, VOCAB, (3, 7))
     prompts = np.where(np.arange(7) < lengths[:, None], prompts, PAD)
     cfg = SamplingConfig(40, EOS, PAD, temperature=1.0, samples_per_prompt=4)
-    spec_cfg = SP.SpeculativeConfig("sparse_self", draft_tokens=K, record_pages=True)
+    speculative_cfg = SP.SpeculativeConfig("sparse_self", draft_tokens=K, record_pages=True)
     r, stats = SP.SpeculativeSampler(graphdef)(
-        state, prompts, lengths, jax.random.key(3), cfg, spec_cfg, SPARSE, phi, LORA.scale
+        state, prompts, lengths, jax.random.key(3), cfg, speculative_cfg, SPARSE, phi, LORA.scale
     )
     return graphdef, state, phi, r, stats
 

@@ -87,7 +87,7 @@ def _train_head(graphdef, state, tokens, mask, steps=60, layers=None):
     layers = layers or draft_head.default_layers(CFG.num_layers)
     hg, hs = draft_head.create(CFG, draft_head.DraftHeadConfig(layers), jax.random.key(3))
     tx = draft_head_train.make_tx(3e-3, 1.0)
-    hs, _, m = draft_head_train.head_update(
+    hs, _, m = draft_head_train.draft_head_update(
         hs,
         tx.init(hs),
         {"tokens": jnp.asarray(tokens), "mask": jnp.asarray(mask)},

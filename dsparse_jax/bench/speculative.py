@@ -82,7 +82,7 @@ def measure(
     lengths,
     scfg,
     reps,
-    spec_cfg=None,
+    speculative_cfg=None,
     spec=None,
     lora=None,
     lora_scale=1.0,
@@ -93,13 +93,13 @@ def measure(
     learned draft head (draft_head)."""
     key = jax.random.key(0)
     prompts, lengths = jnp.asarray(prompts, jnp.int32), jnp.asarray(lengths, jnp.int32)
-    if spec_cfg is None:
+    if speculative_cfg is None:
         sampler, kw = Sampler(graphdef), dict(cfg=scfg, spec=spec.dense())
     else:
         sampler = SpeculativeSampler(graphdef)
         kw = dict(
             cfg=scfg,
-            spec_cfg=spec_cfg,
+            speculative_cfg=speculative_cfg,
             draft_spec=spec,
             lora=lora,
             lora_scale=lora_scale,
@@ -110,7 +110,7 @@ def measure(
     sampler.lower(params, prompts, lengths, key, **kw).compile()  # the calls reuse it
     compile_s = time.perf_counter() - t0
     secs, out = _run(lambda: sampler(params, prompts, lengths, key, **kw), reps)
-    rollout = out if spec_cfg is None else out[0]
+    rollout = out if speculative_cfg is None else out[0]
     tokens = int(np.asarray(rollout.completion_lengths).sum())
     row = {
         "name": name,
@@ -119,8 +119,8 @@ def measure(
         "tokens": tokens,
         "tokens_per_s": round(tokens / secs, 1),
     }
-    if spec_cfg is not None:
-        m = jax.device_get(acceptance_summary(out[1], spec_cfg.draft_tokens))
+    if speculative_cfg is not None:
+        m = jax.device_get(acceptance_summary(out[1], speculative_cfg.draft_tokens))
         row.update({k: round(float(v), 4) for k, v in m.items()})
     log(json.dumps(row))
     return row, rollout
@@ -184,7 +184,7 @@ def train_head(
     layers = draft_head.default_layers(model_cfg.num_layers)
     hg, hs = draft_head.create(model_cfg, draft_head.DraftHeadConfig(layers), jax.random.key(seed))
     tx = draft_head_train.make_tx(1e-3, 1.0)
-    hs, _, m = draft_head_train.head_update(
+    hs, _, m = draft_head_train.draft_head_update(
         hs,
         tx.init(hs),
         {"tokens": rows.tokens, "mask": rows.completion_mask},

@@ -46,8 +46,8 @@ def main(argv: list[str]) -> int:
     positions = (24, 48, 72)
     prune = PruneConfig(positions=positions, sizes=(15, 14, 13), label_rows=1, layer=-1)
     scfg = rollouts.sampling_config(ctx, c.temperature, 16)
-    hcfg = quality_head.HeadConfig(ctx.model_cfg.d_model, hidden=c.prune.head_hidden)
-    dummy = quality_head.init_head(hcfg, jax.random.key(0))
+    hcfg = quality_head.QualityHeadConfig(ctx.model_cfg.d_model, hidden=c.prune.head_hidden)
+    dummy = quality_head.init_quality_head(hcfg, jax.random.key(0))
     feats, labels, prompt_ids = [], [], []
     for i in range(args.batches):
         probs = ctx.task.problems(
@@ -69,11 +69,11 @@ def main(argv: list[str]) -> int:
         head, opt = quality.init(hcfg, tx, jax.random.key(1))
         x = jnp.asarray(f[train, ci])
         yy = jnp.asarray(y[train].astype(np.float32))
-        head, opt, _, loss = quality.head_update(
+        head, opt, _, loss = quality.quality_head_update(
             head, opt, x, yy, jnp.ones_like(yy), tx=tx, steps=args.steps
         )
-        s = np.asarray(quality_head.head_probs(head, jnp.asarray(f[~train, ci])))
-        s_tr = np.asarray(quality_head.head_probs(head, x))
+        s = np.asarray(quality_head.quality_probs(head, jnp.asarray(f[~train, ci])))
+        s_tr = np.asarray(quality_head.quality_probs(head, x))
         out["auc_test"][pos] = weighted_auc(s, y[~train])
         out.setdefault("auc_train", {})[pos] = weighted_auc(s_tr, y[train])
     print(json.dumps(out, indent=1))

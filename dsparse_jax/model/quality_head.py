@@ -18,13 +18,13 @@ import jax.numpy as jnp
 
 
 @dataclasses.dataclass(frozen=True)
-class HeadConfig:
+class QualityHeadConfig:
     d_model: int
     hidden: int = 64  # 0: a linear probe
     layer: int = -1  # the transformer layer whose output it reads (negative: from the end)
 
 
-def init_head(cfg: HeadConfig, key) -> dict:
+def init_quality_head(cfg: QualityHeadConfig, key) -> dict:
     """{"w1", "b1", "w2", "b2"} (MLP) or {"w2", "b2"} (linear probe); the output layer
     starts at zero, so the untrained head predicts 0.5 for every row."""
     if cfg.hidden:
@@ -38,7 +38,7 @@ def init_head(cfg: HeadConfig, key) -> dict:
     return {"w2": jnp.zeros((cfg.d_model,), jnp.float32), "b2": jnp.zeros((), jnp.float32)}
 
 
-def head_logits(head: dict, feats_NxD):
+def quality_logits(head: dict, feats_NxD):
     """Logits of P(reward = 1) [N] from features [N, D] (any leading shape)."""
     x = feats_NxD.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
@@ -47,12 +47,12 @@ def head_logits(head: dict, feats_NxD):
     return x @ head["w2"] + head["b2"]
 
 
-def head_probs(head: dict, feats_NxD):
-    return jax.nn.sigmoid(head_logits(head, feats_NxD))
+def quality_probs(head: dict, feats_NxD):
+    return jax.nn.sigmoid(quality_logits(head, feats_NxD))
 
 
 def bce_loss(head: dict, feats_NxD, labels_N, weights_N):
     """Weighted binary cross-entropy (mean over the weights) of the head's logits."""
-    z = head_logits(head, feats_NxD)
+    z = quality_logits(head, feats_NxD)
     per = jnp.maximum(z, 0) - z * labels_N + jnp.log1p(jnp.exp(-jnp.abs(z)))
     return jnp.sum(per * weights_N) / jnp.maximum(jnp.sum(weights_N), 1e-6)

@@ -401,7 +401,7 @@ class Sampler:
             step, rs = state
             groups = (n,) + prune.sizes
             carried = c * prune.label_rows
-            probs = quality_head.head_probs(head, rs["feat"])
+            probs = quality_head.quality_probs(head, rs["feat"])
             group_row = jnp.tile(jnp.arange(groups[c] + carried) < groups[c], b0)
             rs = dict(rs)
             rs["feats"] = rs["feats"].at[:, c].set(rs["feat"])

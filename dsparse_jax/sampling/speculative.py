@@ -97,7 +97,7 @@ class History(NamedTuple):
     lengths: jax.Array
 
 
-class SpecStats(NamedTuple):
+class SpeculativeStats(NamedTuple):
     """Per-rollout counters (device arrays)."""
 
     verify_calls: jax.Array  # int32 [B]: verify iterations in which the row was live
@@ -146,7 +146,7 @@ def _draw(logits_BxV, key, cfg: SamplingConfig):
 def _draft_sparse_self(ctx, x: DraftIn) -> DraftOut:
     """k (+1 with record_pages) autoregressive steps of the sparse(+phi) model over the
     verifier's cache, sampling from its own truncated distribution q."""
-    model, spec, cfg, sc = ctx["draft_model"], ctx["draft_spec"], ctx["cfg"], ctx["spec_cfg"]
+    model, spec, cfg, sc = ctx["draft_model"], ctx["draft_spec"], ctx["cfg"], ctx["speculative_cfg"]
     k, s = sc.draft_tokens, x.tokens.shape[1]
     steps = k + 1 if sc.record_pages else k
     rows = jnp.arange(x.tokens.shape[0])
@@ -173,7 +173,7 @@ def _draft_head(ctx, x: DraftIn) -> DraftOut:
     cache: step 0 feeds (g of position cur - 1's policy features, x_cur), step j > 0 the
     head's own output and its draft d_j. Samples from its truncated distribution q."""
     head, model, cfg = ctx["head"], ctx["model"], ctx["cfg"]
-    k, s = ctx["spec_cfg"].draft_tokens, x.tokens.shape[1]
+    k, s = ctx["speculative_cfg"].draft_tokens, x.tokens.shape[1]
     cache, g_BxD = x.head
     embed = model.embed[...]
 
@@ -229,7 +229,7 @@ def _draft_history(ctx, x: DraftIn) -> DraftOut:
     """The longest suffix match of each row's last `ngram` tokens among its group's rows
     (itself included) and its prompt's bank rows; the tokens after the match are the
     drafts. Ties go to the match with the most tokens after it, then the latest."""
-    sc, hist, n = ctx["spec_cfg"], ctx["history"], ctx["cfg"].samples_per_prompt
+    sc, hist, n = ctx["speculative_cfg"], ctx["history"], ctx["cfg"].samples_per_prompt
     k, m = sc.draft_tokens, sc.ngram
     b, s = x.tokens.shape
     group = b // n
@@ -296,7 +296,7 @@ class SpeculativeSampler:
             self._sample,
             static_argnames=(
                 "cfg",
-                "spec_cfg",
+                "speculative_cfg",
                 "draft_spec",
                 "lora_scale",
                 "return_cache",
@@ -305,9 +305,9 @@ class SpeculativeSampler:
         )
 
     def __call__(self, *args, **kwargs):
-        """sampler(state, prompts_BxL, prompt_lengths_B, key, cfg, spec_cfg, draft_spec,
+        """sampler(state, prompts_BxL, prompt_lengths_B, key, cfg, speculative_cfg, draft_spec,
         lora, lora_scale, history, return_cache, head) (`_bind`): (Rollout of B *
-        samples_per_prompt rows, SpecStats[, the final KV cache when return_cache])."""
+        samples_per_prompt rows, SpeculativeStats[, the final KV cache when return_cache])."""
         args, kwargs = self._bind(*args, **kwargs)
         return self._jitted(*args, **kwargs)
 
@@ -324,7 +324,7 @@ class SpeculativeSampler:
         prompt_lengths_B,
         key,
         cfg: SamplingConfig,
-        spec_cfg: SpeculativeConfig,
+        speculative_cfg: SpeculativeConfig,
         draft_spec: AttentionSpec = AttentionSpec(),
         lora=None,
         lora_scale: float = 1.0,
@@ -333,12 +333,12 @@ class SpeculativeSampler:
         head=None,
     ):
         """The jitted function's (args, kwargs) of a call: (Rollout of B *
-        samples_per_prompt rows, SpecStats[, the final KV cache when return_cache]).
+        samples_per_prompt rows, SpeculativeStats[, the final KV cache when return_cache]).
         draft_spec: the sparse drafter's attention (its page_size is the
         cache's); lora: phi, for sparse_self; history: bank rows of the batch's prompts
         [P, H, S], for history (optional); head: (graphdef, state) of the learned draft
         head (model/draft_head.py), for draft_head."""
-        if DRAFTERS[spec_cfg.draft].learned_head and head is None:
+        if DRAFTERS[speculative_cfg.draft].learned_head and head is None:
             raise ValueError("the draft_head drafter needs head=(graphdef, state)")
         head_graphdef, head_state = head if head is not None else (None, None)
         if cfg.grow_buffer_from:
@@ -352,7 +352,7 @@ class SpeculativeSampler:
         args = (state, jnp.asarray(prompts_BxL, jnp.int32), lengths, key, lora, history, head_state)
         return args, dict(
             cfg=cfg,
-            spec_cfg=spec_cfg,
+            speculative_cfg=speculative_cfg,
             draft_spec=draft_spec,
             lora_scale=lora_scale,
             return_cache=return_cache,
@@ -370,15 +370,15 @@ class SpeculativeSampler:
         head_state,
         *,
         cfg,
-        spec_cfg,
+        speculative_cfg,
         draft_spec,
         lora_scale,
         return_cache=False,
         head_graphdef=None,
     ):
-        drafter = DRAFTERS[spec_cfg.draft]
+        drafter = DRAFTERS[speculative_cfg.draft]
         model = nnx.merge(self.graphdef, state)
-        ctx = dict(cfg=cfg, spec_cfg=spec_cfg, history=history, model=model)
+        ctx = dict(cfg=cfg, speculative_cfg=speculative_cfg, history=history, model=model)
         features = None  # the policy layers the draft head reads
         if drafter.learned_head:
             ctx["head"] = nnx.merge(head_graphdef, head_state)
@@ -395,7 +395,7 @@ class SpeculativeSampler:
         # The cache carries page summaries where the drafter selects pages; the verifier
         # (extend) is dense and never reads them.
         cache_spec = draft_spec if drafter.sparse else AttentionSpec(page_size=draft_spec.page_size)
-        n, k = cfg.samples_per_prompt, spec_cfg.draft_tokens
+        n, k = cfg.samples_per_prompt, speculative_cfg.draft_tokens
         b0, l = prompts_BxL.shape
         s = buffer_length(l, cfg.max_new_tokens, cache_spec.page_size)
         caches = sharding.constrain_cache(model.init_cache(b0, s, cache_spec))
@@ -428,7 +428,7 @@ class SpeculativeSampler:
         sparse = transformer.sparse_layers(model.cfg, cache_spec) if drafter.sparse else []
         kv, p = model.cfg.num_kv_heads, cache_spec.sparse.max_pages if sparse else 0
         page_ids, draft_rec = {}, {}
-        if spec_cfg.record_pages:
+        if speculative_cfg.record_pages:
             page_ids = {i: jnp.full((b, s, kv, p), -1, jnp.int32) for i in sparse}
             draft_rec = {
                 "start": jnp.full((b, s), -1, jnp.int32),
@@ -436,7 +436,7 @@ class SpeculativeSampler:
             }
         ncomp = jnp.ones((b,), jnp.int32)
         done = (tok == cfg.eos_id) | (cfg.max_new_tokens <= 1)
-        stats = SpecStats(
+        stats = SpeculativeStats(
             jnp.zeros((b,), jnp.int32),
             jnp.zeros((b,), jnp.int32),
             jnp.zeros((k,), jnp.int32),
@@ -509,7 +509,7 @@ class SpeculativeSampler:
                 ]
             live_row = ~done
             reached = (offs[:, :k] < num[:, None]) & (offs[:, :k] <= a[:, None])
-            stats = SpecStats(
+            stats = SpeculativeStats(
                 stats.verify_calls + live_row,
                 stats.emitted + n_new,
                 stats.reached + reached.sum(0),
@@ -556,7 +556,7 @@ class SpeculativeSampler:
 
 
 @functools.partial(jax.jit, static_argnames=("k",))
-def acceptance_summary(stats: SpecStats, k: int) -> dict:
+def acceptance_summary(stats: SpeculativeStats, k: int) -> dict:
     """Scalar metrics of one speculative rollout: tokens per verify (acceptance length,
     the bonus / replacement token included), acceptance rate per draft position."""
     calls = jnp.maximum(stats.verify_calls.sum(), 1)

@@ -94,7 +94,7 @@ def _loss(head_state, head_graphdef, targets, masks_SxBxT, temperature, loss_wei
     static_argnames=("graphdef", "head_graphdef", "layers", "tx", "steps", "temperature", "unroll"),
     donate_argnums=(0, 1),
 )
-def head_update(
+def draft_head_update(
     head_state,
     opt_state,
     batch,

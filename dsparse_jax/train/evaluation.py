@@ -127,7 +127,7 @@ class Evaluator:
             if head is not None:
                 spec_ = self.spec if spec is None else spec
                 weigh = functools.partial(
-                    self.head_scores,
+                    self.quality_scores,
                     params,
                     head,
                     layer=head_layer,
@@ -154,7 +154,7 @@ class Evaluator:
                 out[f"qmaj_at_{k}"] = maj_at_k(answers, correct, weights)
         return out
 
-    def head_scores(
+    def quality_scores(
         self, params, head, rollout, *, layer, position, spec, lora=None, lora_scale=1.0
     ):
         """The quality head's P(correct) of each row [B]: its features are layer `layer`'s
@@ -219,7 +219,7 @@ def _head_scores_fn(graphdef, layer: int, spec, lora_scale: float):
         )
         last = prompt_len + jnp.minimum(position, ncomp) - 1
         feats = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-        return quality_head.head_probs(head, feats)
+        return quality_head.quality_probs(head, feats)
 
     return fn
 

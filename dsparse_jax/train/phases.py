@@ -93,7 +93,7 @@ class Selected(NamedTuple):
     kept: Rollout
     rewards: Any  # numpy [P * n]
     adv: jax.Array  # f32 [P * n]
-    rec: dict | None  # the recompute of the kept rows, when selection already needed it
+    recomputed: dict | None  # the recompute of the kept rows, when selection already needed it
 
 
 class Recomputed(NamedTuple):
@@ -133,12 +133,12 @@ def rl_step(
         head = st.quality_head
         if gen.prune is not None:  # the quality head learns from this step's completed rows
             head = log.run("update_head", update_head, ctx, setup, st, gen, scored.rewards)
-        rec = log.run("recompute", recompute, ctx, setup, st, sel, ref_params, step)
-        theta = log.run("update_theta", update_theta, ctx, setup, st, rec, k_theta)
+        recomputed = log.run("recompute", recompute, ctx, setup, st, sel, ref_params, step)
+        theta = log.run("update_theta", update_theta, ctx, setup, st, recomputed, k_theta)
         faults.maybe_kill("rl_update", step + 1)
         new = dataclasses.replace(st, theta=theta, quality_head=head)
         if setup.mode.updates_phi:  # theta frozen: phi tracks the dense policy
-            new.phi = log.run("update_phi", update_phi, ctx, setup, new, sel, rec, k_phi)
+            new.phi = log.run("update_phi", update_phi, ctx, setup, new, sel, recomputed, k_phi)
         if st.draft_head is not None:  # the drafter tracks the updated policy
             batch = {"tokens": sel.kept.tokens, "mask": sel.kept.completion_mask}
             new.draft_head = log.run(
@@ -407,14 +407,14 @@ def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key
     the steps `twin_step` says)."""
     s, plan, n, big_m = setup.selection, setup.plan, setup.n, setup.m
     r = gen.rollout
-    rec = None
+    recomputed = None
     generated = int(sharding.to_host(r.completion_lengths).sum())
     if gen.prune is not None:  # the kept n of each prompt; label rows only train the head
         generated = int(sharding.to_host(gen.prune.tokens_generated))
         kept_rows = pruned_kept_rows(len(rewards_all), setup.pruning.config)
         r, rewards_all = gather_rows(r, kept_rows, plan), rewards_all[kept_rows]
     if big_m > n and (s.kind == "acceptance" or _all_rows_step(setup, step)):
-        rec = _recompute(ctx, setup, st, r, twin_step(setup, step))  # all M rows
+        recomputed = _recompute(ctx, setup, st, r, twin_step(setup, step))  # all M rows
     rows, metrics = select_rows(
         rewards_all,
         n,
@@ -422,7 +422,7 @@ def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key
         key,
         selection=s.kind,
         rollout=r,
-        dense_logp=None if rec is None else rec["dense_logp"],
+        dense_logp=None if recomputed is None else recomputed["dense_logp"],
         acceptance_c=s.acceptance_c,
     )
     kept, rewards = r, rewards_all
@@ -430,10 +430,12 @@ def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key
         kept, rewards = gather_rows(r, rows, plan), rewards_all[rows]
     if plan is not None:
         kept = plan.shard_batch(kept)
-    if rec is not None:  # all M rows' figures as all_*; the kept rows' from their arrays
-        metrics.update(flatten_metrics(jax.device_get(rec["metrics"]), "all_"))
-        rec = gather_rows({k: v for k, v in rec.items() if k != "metrics"}, rows, plan)
-        rec["metrics"] = rollout_metrics(rec, kept, setup.recompute)
+    if recomputed is not None:  # all M rows' figures as all_*; the kept rows' from their arrays
+        metrics.update(flatten_metrics(jax.device_get(recomputed["metrics"]), "all_"))
+        recomputed = gather_rows(
+            {k: v for k, v in recomputed.items() if k != "metrics"}, rows, plan
+        )
+        recomputed["metrics"] = rollout_metrics(recomputed, kept, setup.recompute)
     adv_B = grpo_advantages(jnp.asarray(rewards), n, scale_by_std=s.scale_adv_by_std)
     adv_B = sharding.as_global(plan, adv_B)
     if faults.action("rl_nan", step + 1) == "nan":  # test hook: a non-finite loss
@@ -449,7 +451,7 @@ def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key
         tokens_trained=trained,
         tokens_per_useful_row=generated / useful if useful else float("nan"),
     )
-    return Selected(kept, rewards, adv_B, rec), metrics
+    return Selected(kept, rewards, adv_B, recomputed), metrics
 
 
 def pruned_kept_rows(rows: int, prune) -> np.ndarray:
@@ -463,13 +465,13 @@ def update_head(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all
     made before this update: AUC and calibration, weighted by the rows each stands for),
     the reward variance of groups before and after pruning, tokens against an unpruned
     M'-row rollout; then `head_steps` BCE steps on the same rows."""
-    rec, prune = gen.prune, setup.pruning.config
-    rec_h = jax.device_get(rec)
+    record, prune = gen.prune, setup.pruning.config
+    record_h = jax.device_get(record)
     rewards = np.asarray(rewards_all)
-    f, y, w, s = quality.training_pairs(rec_h, rewards)
+    f, y, w, s = quality.training_pairs(record_h, rewards)
     cal = pruning_metrics.calibration(s, y, w)
     head = st.quality_head
-    params, opt_state, before, after = quality.head_update(
+    params, opt_state, before, after = quality.quality_head_update(
         head.params,
         head.opt_state,
         jnp.asarray(f),
@@ -481,11 +483,11 @@ def update_head(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all
     per = prune.rows_per_prompt
     by_prompt = rewards.reshape(-1, per)
     lengths = sharding.to_host(gen.rollout.completion_lengths).astype(np.float64)
-    label = np.asarray(rec_h.is_label)
+    label = np.asarray(record_h.is_label)
     pruned_rows = len(by_prompt) * (setup.pruning.generated - per)  # never completed
     fill = lengths[label].mean() if label.any() else lengths.mean()
     unpruned = lengths.sum() + pruned_rows * fill  # label rows: a random draw of the pruned
-    generated = float(rec_h.tokens_generated)
+    generated = float(record_h.tokens_generated)
     metrics = {
         "prune_head_auc": pruning_metrics.weighted_auc(s, y, w),
         "prune_head_ece": cal["ece"],
@@ -502,9 +504,9 @@ def update_head(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all
         "prune_token_ratio": generated / float(unpruned),
     }
     for c in range(len(prune.positions)):  # per checkpoint, its scored rows
-        m = np.asarray(rec_h.scored)[:, c]
+        m = np.asarray(record_h.scored)[:, c]
         metrics[f"prune_head_auc_cp{c}"] = pruning_metrics.weighted_auc(
-            np.asarray(rec_h.scores)[m, c], rewards[m] >= 1.0, np.asarray(rec_h.weight)[m]
+            np.asarray(record_h.scores)[m, c], rewards[m] >= 1.0, np.asarray(record_h.weight)[m]
         )
     return head.replace(params, opt_state), metrics
 
@@ -514,11 +516,16 @@ def recompute(ctx, setup: RLSetup, st: TrainState, sel: Selected, ref_params, st
     actor's twin (on the steps `twin_step` says), exact mismatch metrics; theta's batch
     with its old log-probs and off-policy corrections; the reference log-probs
     (rl.kl_coef > 0); and, where phi is trained, its teacher cached before theta moves."""
-    kept, rec = sel.kept, sel.rec
-    if rec is None:
-        rec = _recompute(ctx, setup, st, kept, twin_step(setup, step))
+    kept, recomputed = sel.kept, sel.recomputed
+    if recomputed is None:
+        recomputed = _recompute(ctx, setup, st, kept, twin_step(setup, step))
     batch, metrics = theta_batch(
-        setup.mode, kept, sel.adv, rec["dense_logp"], rec.get("twin_logp"), setup.correction
+        setup.mode,
+        kept,
+        sel.adv,
+        recomputed["dense_logp"],
+        recomputed.get("twin_logp"),
+        setup.correction,
     )
     if setup.grpo.kl_coef > 0:
         batch["ref_logp"], _ = logprobs(
@@ -535,20 +542,20 @@ def recompute(ctx, setup: RLSetup, st: TrainState, sel: Selected, ref_params, st
         if setup.distill.exact:  # the teacher's full logits: theta before its update
             teacher_params = jax.tree.map(jnp.copy, st.theta.params)
         else:
-            teacher_logp = rec["dense_logp"]
-    flat = flatten_metrics(jax.device_get(rec["metrics"]))
+            teacher_logp = recomputed["dense_logp"]
+    flat = flatten_metrics(jax.device_get(recomputed["metrics"]))
     metrics.update(flat)
     if setup.m == setup.n:  # the kept rows are all the generated rows
         metrics.update({"all_" + k: v for k, v in flat.items()})
     return Recomputed(batch, teacher_logp, teacher_params), metrics
 
 
-def update_theta(ctx, setup: RLSetup, st: TrainState, rec: Recomputed, key):
+def update_theta(ctx, setup: RLSetup, st: TrainState, recomputed: Recomputed, key):
     """PPO/GRPO over rl.minibatches minibatches of the kept rows (phi is not an input)."""
     theta, ms = _minibatch_updates(
         grpo_update,
         st.theta,
-        rec.theta_batch,
+        recomputed.theta_batch,
         key,
         setup.minibatches,
         setup.plan,
@@ -565,7 +572,7 @@ def update_draft_head(ctx, setup: RLSetup, st: TrainState, batch: dict, key, pre
     rl.minibatches minibatches (train/draft_head.py)."""
     h = setup.drafting.head
     head, ms = _minibatch_updates(
-        draft_head_train.head_update,
+        draft_head_train.draft_head_update,
         st.draft_head,
         batch,
         key,
@@ -589,7 +596,7 @@ def phi_rows(rows: int, stride: int) -> np.ndarray:
     return np.arange(0, rows, stride)
 
 
-def update_phi(ctx, setup: RLSetup, st: TrainState, sel: Selected, rec: Recomputed, key):
+def update_phi(ctx, setup: RLSetup, st: TrainState, sel: Selected, recomputed: Recomputed, key):
     """theta frozen (st.theta is the updated theta): phi's updates on the same rollouts
     (setup.distill: [L_PPO +] lambda D(actor, teacher)), against the dense teacher (cached
     before theta's update, or recomputed with the updated theta), on every
@@ -605,11 +612,11 @@ def update_phi(ctx, setup: RLSetup, st: TrainState, sel: Selected, rec: Recomput
     }
     if kept.draft_start is not None:
         phi_batch["draft_start"] = kept.draft_start
-    if rec.teacher_logp is not None:
-        phi_batch["teacher_logp"] = rec.teacher_logp
+    if recomputed.teacher_logp is not None:
+        phi_batch["teacher_logp"] = recomputed.teacher_logp
     if stride > 1:
         phi_batch = gather_rows(phi_batch, phi_rows(kept.tokens.shape[0], stride), setup.plan)
-    teacher_params = rec.teacher_params
+    teacher_params = recomputed.teacher_params
     if setup.distill.teacher == "recomputed":
         if setup.distill.exact:  # the teacher's full logits come from a forward in the step
             teacher_params = st.theta.params
@@ -646,9 +653,9 @@ def warmup_phi(ctx, setup: RLSetup, st: TrainState, key, i: int):
     k_roll, k_phi = jax.random.split(key)
     gen, metrics = rollout(ctx, setup, st, k_roll, 0, data_start=RL_DATA_OFFSET - (i + 1) * p)
     kept = gen.rollout if plan is None else plan.shard_batch(gen.rollout)
-    rec = _recompute(ctx, setup, st, kept)
+    recomputed = _recompute(ctx, setup, st, kept)
     adv_B = sharding.as_global(plan, jnp.zeros(kept.tokens.shape[0], jnp.float32))  # unread
-    teacher_logp = rec["dense_logp"] if setup.distill.teacher == "cached" else None
+    teacher_logp = recomputed["dense_logp"] if setup.distill.teacher == "cached" else None
     phi, phi_metrics = update_phi(
         ctx,
         setup,
@@ -657,5 +664,5 @@ def warmup_phi(ctx, setup: RLSetup, st: TrainState, key, i: int):
         Recomputed(None, teacher_logp, None),
         k_phi,
     )
-    metrics.update(flatten_metrics(jax.device_get(rec["metrics"])))
+    metrics.update(flatten_metrics(jax.device_get(recomputed["metrics"])))
     return phi, {**metrics, **phi_metrics}

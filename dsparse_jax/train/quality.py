@@ -24,7 +24,7 @@ def make_tx(learning_rate: float, max_grad_norm: float = 1.0):
 
 
 @functools.partial(jax.jit, static_argnames=("tx", "steps"))
-def head_update(head, opt_state, feats_NxD, labels_N, weights_N, *, tx, steps: int):
+def quality_head_update(head, opt_state, feats_NxD, labels_N, weights_N, *, tx, steps: int):
     """`steps` Adam steps of weighted BCE; returns (head, opt_state, loss before, after)."""
     loss_grad = jax.value_and_grad(quality_head.bce_loss)
 
@@ -42,7 +42,7 @@ def head_update(head, opt_state, feats_NxD, labels_N, weights_N, *, tx, steps: i
 def training_pairs(record, rewards_B, pad_to: int | None = None):
     """(feats [N, D], labels [N], weights [N], scores [N]) of every (row, checkpoint) a
     completed row was scored at, as numpy; padded with weight-0 rows to `pad_to` (a fixed
-    shape: one compile of head_update)."""
+    shape: one compile of quality_head_update)."""
     feats = np.asarray(record.feats)
     scored = np.asarray(record.scored)
     b, c, d = feats.shape
@@ -58,8 +58,8 @@ def training_pairs(record, rewards_B, pad_to: int | None = None):
     return f, y, w, s
 
 
-def init(cfg: quality_head.HeadConfig, tx, key):
-    head = quality_head.init_head(cfg, key)
+def init(cfg: quality_head.QualityHeadConfig, tx, key):
+    head = quality_head.init_quality_head(cfg, key)
     return head, tx.init(head)
 
 

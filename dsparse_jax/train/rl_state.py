@@ -78,7 +78,7 @@ class Pruning:
 
     config: PruneConfig  # the sampler's: checkpoints, kept sizes, rho, label rows, head layer
     generated: int  # M' rows generated per prompt
-    head: quality_head.HeadConfig
+    head: quality_head.QualityHeadConfig
     head_steps: int  # the head's Adam steps per RL step
 
 
@@ -182,7 +182,7 @@ def pruning_from(c, d_model: int) -> Pruning | None:
             layer=p.layer,
         ),
         generated=m,
-        head=quality_head.HeadConfig(d_model, hidden=p.head_hidden, layer=p.layer),
+        head=quality_head.QualityHeadConfig(d_model, hidden=p.head_hidden, layer=p.layer),
         head_steps=p.head_steps,
     )
 

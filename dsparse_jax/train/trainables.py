@@ -82,7 +82,7 @@ def _phi(ctx: RunContext, setup: RLSetup, params):
 def _quality_head(ctx: RunContext, setup: RLSetup, params):
     if setup.pruning is None:
         return None
-    head = quality_head.init_head(setup.pruning.head, jax.random.key(ctx.config.seed + 4))
+    head = quality_head.init_quality_head(setup.pruning.head, jax.random.key(ctx.config.seed + 4))
     return head, quality.make_tx(ctx.config.rl.prune.head_learning_rate)
 
 
