@@ -29,11 +29,9 @@ def _page_rows(page_ids_BxKxP, num_pages: int):
 # The page gather runs as this many independent gathers, each over a slice of the page
 # slots (concatenated): XLA:CPU runs one gather on one thread, and independent ops on the
 # threads of its pool. The slots axis is never sharded (the batch and KV-head axes can
-# be), so the slices need no data movement on a mesh. On the 2-core VM (issue 22,
-# docs/benchmarks.md): a decode step with every global layer sparse ~1 ms (10%) cheaper
-# at 1k-16k context, bitwise the same output; 4 slices no better than 2. The teacher-forced
-# twin (the step vmapped over positions, and its gradient) gathers in one piece: sliced,
-# its forward + backward ran 7-15% slower.
+# be), so the slices need no data movement on a mesh; the output is bitwise the same. The
+# teacher-forced twin (the step vmapped over positions, and its gradient) gathers in one
+# piece. Why 2, and why not the twin: docs/benchmarks.md, "Page gather over both cores".
 GATHER_SLICES = 2
 
 
