@@ -14,7 +14,7 @@
 # target's context), 4k, 16k and 128k x budgets 16/32/64 pages (device time per call from
 # chains of 8 dependent calls; GB/s vs HBM peak, sparse vs dense decode; impl auto = the
 # kernel the model runs); rollout (160) dsparse_jax.bench.rollout on a random
-# Gemma-3-1B-shaped model in bf16 (decode steps at 4k and 16k, dense vs distillsparse,
+# Gemma-3-1B-shaped model in bf16 (decode steps at 4k and 16k, dense vs centroid-sparse,
 # impl auto = the Triton kernel); speculative (100) dsparse_jax.bench.speculative on the
 # same model shape in bf16 (plain sampling against the
 # sparse_self, history and draft_head drafters, 256 tokens, B = 16). Sum of the limits:
@@ -86,14 +86,14 @@ if [ $DRY = 1 ]; then
     TEST_PLATFORMS=cpu
     KARGS=(--contexts=4096 --budgets=16 --force_cpu_timing --impl=pallas_tpu --batch=1
         --kv_heads=1 --reps=2 --warmup=1 --chain=2 --dtype=float32)
-    RARGS=(--preset=tiny --dtype=float32 --configs=dense,distillsparse:0 --skip_throughput
+    RARGS=(--preset=tiny --dtype=float32 --configs=dense,centroid:0 --skip_throughput
         --step_contexts=1024 --step_rounds=1 --step_reps=2 --floor_step=0)
     SARGS=(--quick --head_steps=5)
 else
     TESTS=(tests/test_kernels.py tests/test_triton_compile.py -k "triton and not interpreter")
     TEST_PLATFORMS=cuda # tests/conftest.py defaults to cpu, which skips the GPU tests
     KARGS=(--contexts=32768,4096,16384,131072 --budgets=16,32,64 --reps=10 --warmup=2 --chain=8)
-    RARGS=(--preset=gemma3_1b --dtype=bfloat16 --impl=auto --configs=dense,distillsparse:0
+    RARGS=(--preset=gemma3_1b --dtype=bfloat16 --impl=auto --configs=dense,centroid:0
         --batch=16 --skip_throughput --step_contexts=4096,16384 --step_rounds=3
         --step_reps=10 --budget=32)
     SARGS=(--preset=gemma3_1b --dtype=bfloat16 --impl=auto --gen=256 --batch=16 --samples=4

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dsparse_jax.reliability import checkpoints
-from dsparse_jax.train import context, rl_loop, trained
+from dsparse_jax.train import context, rl_loop, rl_state, trainables, trained
 from tests.data.rl_checkpoints_b45c56e.make import BASE, CASES, STEP
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "data", "rl_checkpoints_b45c56e")
@@ -57,8 +57,8 @@ def test_checkpoint_of_b45c56e_resumes(case, tmp_path):
     shutil.copytree(os.path.join(FIXTURES, case), workdir)
     config = trained.workdir_config(workdir)
     ctx = context.build(config)
-    setup = rl_loop.make_setup(ctx)
-    fresh = rl_loop.init_state(ctx, setup, ctx.init_params)
+    setup = rl_state.make_setup(ctx)
+    fresh = trainables.init_state(ctx, setup, ctx.init_params)
     ckpt = checkpoints.Checkpointer(workdir, "checkpoints")
     st, rng, step, skips, warmed = rl_loop._resume(
         ckpt, fresh, jax.random.key(0), case, config.rl.prompts_per_step
@@ -95,8 +95,8 @@ def test_optional_entries_a_checkpoint_lacks_load_as_initialised(tmp_path):
     case = "distillsparse_prune"
     config = trained.workdir_config(os.path.join(FIXTURES, case))
     ctx = context.build(config)
-    setup = rl_loop.make_setup(ctx)
-    st = rl_loop.init_state(ctx, setup, ctx.init_params)
+    setup = rl_state.make_setup(ctx)
+    st = trainables.init_state(ctx, setup, ctx.init_params)
     st.phi = st.phi.replace(jax.tree.map(lambda x: x + 0.5, st.lora), st.phi.opt_state)
     position = rl_loop.RL_DATA_OFFSET + STEP * config.rl.prompts_per_step
     tree = rl_loop._saveable(st, jax.random.key(5), STEP, position)
@@ -105,7 +105,7 @@ def test_optional_entries_a_checkpoint_lacks_load_as_initialised(tmp_path):
     ckpt = checkpoints.Checkpointer(str(tmp_path), "checkpoints")
     ckpt.save(STEP, tree, force=True)
     ckpt.wait()
-    fresh = rl_loop.init_state(ctx, setup, ctx.init_params)
+    fresh = trainables.init_state(ctx, setup, ctx.init_params)
     head0 = [np.asarray(x) for x in jax.tree.leaves(fresh.quality_head)]
     got, _, step, skips, _ = rl_loop._resume(ckpt, fresh, jax.random.key(0), case, 2)
     ckpt.close()

@@ -132,7 +132,7 @@ def test_unroll_masks():
     assert draft_head_train.unroll_masks(comp, 0).shape == (1, 1, 8)
 
 
-def test_head_update_trains_the_unrolled_steps(models):
+def test_draft_head_update_trains_the_unrolled_steps(models):
     """30 Adam steps with unroll=3 on a fixed batch: the KL of draft steps 2 and 3 falls."""
     graphdef, state, hg, hs = models
     tokens = jnp.asarray(np.random.default_rng(1).integers(2, VOCAB, (4, S)), jnp.int32)

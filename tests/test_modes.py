@@ -17,7 +17,7 @@ import pytest
 from dsparse_jax.config.validate import ConfigError, load_config, validate
 from dsparse_jax.data.rewards.rewarder import Scored
 from dsparse_jax.rl import modes
-from dsparse_jax.train import context, phases, rl_loop, rl_state
+from dsparse_jax.train import context, phases, rl_loop, rl_state, trainables
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -108,8 +108,8 @@ CASES = [
 def test_mode_runs_two_steps(ctx, name, overrides, monkeypatch):
     monkeypatch.setattr(phases, "grade", fake_score)
     run = _with(ctx, **overrides)
-    setup = rl_loop.make_setup(run)
-    st = rl_loop.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
+    setup = rl_state.make_setup(run)
+    st = trainables.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
     lora0 = _leaves(st.lora) if st.lora is not None else None
     theta0 = _leaves(st.theta.params)
     rng = jax.random.key(0)
@@ -187,8 +187,8 @@ def test_twin_every_skips_a_metrics_only_twin(ctx, monkeypatch):
         rl__selection="acceptance",
         metrics__twin_every=2,
     )
-    setup = rl_loop.make_setup(run)
-    st = rl_loop.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
+    setup = rl_state.make_setup(run)
+    st = trainables.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
     rng, got = jax.random.key(0), []
     for step in range(2):
         rng, k = jax.random.split(rng)
@@ -234,8 +234,8 @@ def test_speculative_mode_runs_two_steps(ctx, draft, monkeypatch, tmp_path):
     run = context.RunContext(
         **{**run.__dict__, "task": dataclasses.replace(run.task, train_size=2)}
     )
-    setup = rl_loop.make_setup(run)
-    st = rl_loop.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
+    setup = rl_state.make_setup(run)
+    st = trainables.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
     lora0 = _leaves(st.lora) if st.lora is not None else None
     rng = jax.random.key(0)
     for step in range(2):
@@ -259,7 +259,7 @@ def test_speculative_mode_runs_two_steps(ctx, draft, monkeypatch, tmp_path):
     position = rl_loop.RL_DATA_OFFSET + 2 * 2
     ckpt.save(2, rl_loop._saveable(st, rng, 2, position), force=True)
     ckpt.wait()
-    fresh = rl_loop.init_state(run, setup, run.init_params)
+    fresh = trainables.init_state(run, setup, run.init_params)
     assert not fresh.history.owned.any()
     found = rl_loop._resume(ckpt, fresh, rng, "speculative", 2)
     ckpt.close()
@@ -296,7 +296,7 @@ def _check_draft_head(run, setup, st, m, rng, tmp_path):
     assert m["draft_head_loss_after"] < m["draft_head_loss"] and m["time_update_draft_head"] > 0
     want = 2 * steps_per_rl_step(run, "draft_head")  # after two RL steps
     assert optimizer_steps_taken(st.draft_head.opt_state) == want
-    fresh = rl_loop.init_state(run, setup, run.init_params)
+    fresh = trainables.init_state(run, setup, run.init_params)
     assert any(
         (a != b).any()
         for a, b in zip(_leaves(fresh.draft_head.params), _leaves(st.draft_head.params))
@@ -328,13 +328,13 @@ def test_distillsparse_checkpoint_round_trips_phi(ctx, tmp_path):
     from dsparse_jax.reliability import checkpoints
 
     run = _with(ctx, rl__rollout_mode="distillsparse")
-    setup = rl_loop.make_setup(run)
-    st = rl_loop.init_state(run, setup, run.init_params)
+    setup = rl_state.make_setup(run)
+    st = trainables.init_state(run, setup, run.init_params)
     st.phi = st.phi.replace(jax.tree.map(lambda x: x + 0.5, st.lora), st.phi.opt_state)  # B != 0
     ckpt = checkpoints.Checkpointer(str(tmp_path), "ck")
     ckpt.save(3, rl_loop._saveable(st, jax.random.key(5), 3, 7), force=True)
     ckpt.wait()
-    fresh = rl_loop.init_state(run, setup, run.init_params)
+    fresh = trainables.init_state(run, setup, run.init_params)
     got, rng, step = rl_loop._restore(ckpt, 3, fresh, jax.random.key(0))
     old = rl_loop._saveable(st, jax.random.key(5), 4, rl_loop.RL_DATA_OFFSET + 4 * 2)
     del old["phi_warmup_steps"]  # written before phi's warm start was marked: loadable
@@ -409,6 +409,19 @@ def _spy(monkeypatch, module, name: str) -> list:
 
 
 @pytest.mark.slow
+def test_phi_warm_start_rolls_out_n_per_prompt_with_oversampling(ctx):
+    """phi's warm start samples n per prompt even when RL oversamples (M > n): its setup's
+    SamplingConfig, which the rollout phase reads, says n."""
+    run = _with(
+        ctx, rl__rollout_mode="distillsparse", rl__samples_generated=3, distill__warmup_steps=1
+    )
+    setup = rl_state.make_setup(run)
+    assert setup.m == setup.sampling.samples_per_prompt == 3 > setup.n
+    warm = rl_state.phi_warmup_setup(setup)
+    assert warm.m == warm.sampling.samples_per_prompt == setup.n
+    assert warm.sampling == dataclasses.replace(setup.sampling, samples_per_prompt=setup.n)
+
+
 def test_phi_warm_start_moves_phi_only_and_a_resume_does_not_repeat_it(ctx, monkeypatch, tmp_path):
     """distill.warmup_steps=3 before RL step 1: theta bitwise unchanged, phi moved, the
     twin's exact KL to dense lower on a fixed rollout, three phi_warmup records; a run
@@ -426,8 +439,8 @@ def test_phi_warm_start_moves_phi_only_and_a_resume_does_not_repeat_it(ctx, monk
         eval__sparse=False,
         log__tensorboard=False,
     )
-    setup = rl_loop.make_setup(run)
-    st0 = rl_loop.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
+    setup = rl_state.make_setup(run)
+    st0 = trainables.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
     r = phases.rollout(run, setup, st0, jax.random.key(9), 0)[0].rollout  # RL step 1's prompts
     kl_before = _twin_kl(run, setup, st0, st0.lora, r)
     theta0, lora0 = _leaves(st0.theta.params), _leaves(st0.lora)
@@ -451,7 +464,7 @@ def test_phi_warm_start_moves_phi_only_and_a_resume_does_not_repeat_it(ctx, monk
         if attempt == "killed":
             ckpt = checkpoints.Checkpointer(wd, "checkpoints")
             assert ckpt.all_steps() == [0]
-            fresh = rl_loop.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
+            fresh = trainables.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
             got, _, step, _, warmed = rl_loop._resume(ckpt, fresh, jax.random.key(0), "", 2)
             ckpt.close()
             assert (step, warmed) == (0, 3)
@@ -485,8 +498,8 @@ def test_phi_row_stride_trains_on_every_sth_row_and_lowers_the_kl(ctx, monkeypat
     run = _with(
         ctx, rl__rollout_mode="distillsparse", distill__row_stride=2, distill__warmup_steps=3
     )
-    setup = rl_loop.make_setup(run)
-    st = rl_loop.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
+    setup = rl_state.make_setup(run)
+    st = trainables.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
     r = phases.rollout(run, setup, st, jax.random.key(9), 0)[0].rollout
     kl_before = _twin_kl(run, setup, st, st.lora, r)
     updates = _spy(monkeypatch, phases, "update_phi")

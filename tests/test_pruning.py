@@ -249,14 +249,14 @@ def test_rl_step_with_pruning_trains_the_head_and_checkpoints_it(tmp_path, monke
     import math
 
     from dsparse_jax.reliability import checkpoints
-    from dsparse_jax.train import phases, rl_loop
+    from dsparse_jax.train import phases, rl_loop, rl_state, trainables
     from tests.test_modes import optimizer_steps_taken, steps_per_rl_step
 
     monkeypatch.setattr(phases, "grade", binary_score)
     run = _prune_run()
-    setup = rl_loop.make_setup(run)
+    setup = rl_state.make_setup(run)
     assert setup.pruning.config.sizes == (2,) and setup.pruning.generated == 4
-    st = rl_loop.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
+    st = trainables.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
     head0 = jax.tree.map(np.asarray, st.quality_head.params)
     rng = jax.random.key(0)
     for step in range(2):
@@ -287,7 +287,7 @@ def test_rl_step_with_pruning_trains_the_head_and_checkpoints_it(tmp_path, monke
     ckpt = checkpoints.Checkpointer(str(tmp_path), "ck")
     ckpt.save(2, rl_loop._saveable(st, jax.random.key(5), 2, 7), force=True)
     ckpt.wait()
-    fresh = rl_loop.init_state(run, setup, run.init_params)
+    fresh = trainables.init_state(run, setup, run.init_params)
     got, _, step = rl_loop._restore(ckpt, 2, fresh, jax.random.key(0))
     ckpt.close()
     assert step == 2
@@ -341,10 +341,10 @@ def test_quality_weighted_majority_vote():
 def test_eval_head_scores_equal_the_samplers():
     """The evaluator's teacher-forced head scores (qmaj@k weights) reproduce the scores the
     sampler gave each row at the last checkpoint (same features, same position)."""
-    from dsparse_jax.train.evaluation import _head_scores_fn
+    from dsparse_jax.train.evaluation import _quality_scores_fn
 
     _, graphdef, params, head, _, r, rec = setup()
-    fn = _head_scores_fn(graphdef, PRUNE.layer, SPARSE, 1.0)
+    fn = _quality_scores_fn(graphdef, PRUNE.layer, SPARSE, 1.0)
     got = np.asarray(
         fn(params, None, head, r.tokens, r.prompt_lengths, r.completion_lengths, r.pages(), 7)
     )

@@ -18,7 +18,7 @@ from dsparse_jax.config.validate import validate
 from dsparse_jax.parallel import sharding
 from dsparse_jax.reliability import checkpoints
 from dsparse_jax.sampling.sampler import Sampler
-from dsparse_jax.train import context, phases, rl_loop
+from dsparse_jax.train import context, phases, rl_loop, rl_state, trainables
 from dsparse_jax.train.evaluation import Evaluator
 
 # Float tolerance of sharded vs single-device results: f32 reductions (matmuls, softmax
@@ -76,8 +76,8 @@ def _trees(st, *names) -> dict:
 
 
 def _one_step(ctx):
-    setup = rl_loop.make_setup(ctx)
-    st = rl_loop.init_state(ctx, setup, jax.tree.map(jnp.copy, ctx.init_params))
+    setup = rl_state.make_setup(ctx)
+    st = trainables.init_state(ctx, setup, jax.tree.map(jnp.copy, ctx.init_params))
     new, m = phases.rl_step(ctx, setup, st, jax.random.key(7), 0)
     return setup, new, m
 
@@ -199,7 +199,7 @@ def test_speculative_draft_head_step_on_mesh(base_ctx, monkeypatch):
 
 
 def test_rules_and_divisibility(base_ctx):
-    plan = rl_loop.make_setup(_ctx(base_ctx, (2, 2, 2))).plan
+    plan = rl_state.make_setup(_ctx(base_ctx, (2, 2, 2))).plan
     mesh = plan.mesh
     assert sharding.batch_spec(mesh, (8, 5)) == P(("data", "fsdp"))
     assert sharding.batch_spec(mesh, (6, 5)) == P()  # 6 rows on 4 batch shards: replicated
@@ -208,7 +208,7 @@ def test_rules_and_divisibility(base_ctx):
     with pytest.raises(ValueError, match="not divisible by the mesh's batch shards"):
         c = mesh_config((8, 1, 1))
         c.rl.prompts_per_step = 4
-        rl_loop.make_setup(context.RunContext(**{**base_ctx.__dict__, "config": c}))
+        rl_state.make_setup(context.RunContext(**{**base_ctx.__dict__, "config": c}))
     with pytest.raises(ValueError, match="3 x 1 x 1 = 3 but there are 8 devices"):
         sharding.mesh_shape({"data": 3, "fsdp": 1, "tensor": 1}, 8)
     assert sharding.mesh_shape({"data": -1, "fsdp": 2, "tensor": 2}, 8) == (2, 2, 2)
@@ -222,8 +222,8 @@ def _phi_warm_start(base_ctx, shape, workdir):
     c.distill.warmup_steps, c.distill.row_stride = 1, 2
     validate(c)
     ctx = context.RunContext(**{**base_ctx.__dict__, "config": c})
-    setup = rl_loop.make_setup(ctx)
-    st = rl_loop.init_state(ctx, setup, jax.tree.map(jnp.copy, ctx.init_params))
+    setup = rl_state.make_setup(ctx)
+    st = trainables.init_state(ctx, setup, jax.tree.map(jnp.copy, ctx.init_params))
     workdir.mkdir()
     writer = MetricsWriter(str(workdir), tensorboard=False)
     st = rl_loop.warm_start_phi(ctx, setup, st, writer)
@@ -242,8 +242,8 @@ def test_phi_warm_start_with_row_stride_on_mesh_matches_single_device(base_ctx, 
 @pytest.mark.slow
 def test_sharded_checkpoint_restores_onto_another_mesh(base_ctx, tmp_path):
     a = _ctx(base_ctx, (2, 2, 2))
-    setup_a = rl_loop.make_setup(a)
-    st = rl_loop.init_state(a, setup_a, jax.tree.map(jnp.copy, a.init_params))
+    setup_a = rl_state.make_setup(a)
+    st = trainables.init_state(a, setup_a, jax.tree.map(jnp.copy, a.init_params))
     lora = setup_a.plan.shard_state(jax.tree.map(lambda x: x + 0.5, st.lora))  # B no longer 0
     st.phi = st.phi.replace(lora, st.phi.opt_state)
     ckpt = checkpoints.Checkpointer(str(tmp_path), "ck")
@@ -251,8 +251,8 @@ def test_sharded_checkpoint_restores_onto_another_mesh(base_ctx, tmp_path):
     ckpt.save(1, rl_loop._saveable(st, rng, 1, 5), force=True)
     ckpt.wait()
     b = _ctx(base_ctx, (8, 1, 1))  # data-parallel only: params replicated
-    setup_b = rl_loop.make_setup(b)
-    fresh = rl_loop.init_state(b, setup_b, jax.tree.map(jnp.copy, b.init_params))
+    setup_b = rl_state.make_setup(b)
+    fresh = trainables.init_state(b, setup_b, jax.tree.map(jnp.copy, b.init_params))
     got, rng_b, step = rl_loop._restore(ckpt, 1, fresh, setup_b.plan.replicate(jax.random.key(0)))
     ckpt.close()
     assert step == 1

@@ -60,7 +60,7 @@ def model():
     return graphdef, state, phi
 
 
-def _spec_cfg(draft, **kw):
+def _speculative_cfg(draft, **kw):
     return SP.SpeculativeConfig(draft=draft, draft_tokens=3, **kw)
 
 
@@ -138,7 +138,7 @@ def test_greedy_equals_plain_greedy(model, trained_head, draft):
         LENGTHS,
         jax.random.key(0),
         cfg,
-        _spec_cfg(draft),
+        _speculative_cfg(draft),
         spec,
         phi,
         history=history,
@@ -253,7 +253,7 @@ def test_cache_and_summaries_after_rejections_equal_plain(model):
         LENGTHS,
         jax.random.key(3),
         cfg,
-        _spec_cfg("sparse_self"),
+        _speculative_cfg("sparse_self"),
         SPARSE,
         phi,
         return_cache=True,

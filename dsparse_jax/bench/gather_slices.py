@@ -1,7 +1,7 @@
 """Decode step with the K/V page gather in 1 or more slices, side by side (issue 22).
 
     python -m dsparse_jax.bench.gather_slices --contexts=1024,4096,16384 \
-        --configs=distillsparse:0,distillsparse:0:g16c8 --slices=1,2 --out=/tmp/slices.json
+        --configs=centroid:0,centroid:0:g16c8 --slices=1,2 --out=/tmp/slices.json
 
 Per context: the dense step at the budget's context (the reference of the selection
 overhead) and every (config, slices) step, compiled once each, then timed in interleaved
@@ -28,7 +28,7 @@ def parse_args(argv: list[str]):
         prog="python -m dsparse_jax.bench.gather_slices", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--contexts", default="1024,4096,16384")
-    p.add_argument("--configs", default="distillsparse:0,distillsparse:0:g16c8")
+    p.add_argument("--configs", default="centroid:0,centroid:0:g16c8")
     p.add_argument("--slices", default="1,2", help="sparse.gather_slices values to compare")
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--reps", type=int, default=20)

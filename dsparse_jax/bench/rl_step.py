@@ -85,7 +85,7 @@ def bench(config, args):
     import jax.numpy as jnp
 
     from dsparse_jax.config.validate import validate
-    from dsparse_jax.train import context, rl_loop
+    from dsparse_jax.train import context, phases, rl_state, trainables
 
     results = []
     for terms in args.terms:
@@ -103,13 +103,13 @@ def bench(config, args):
             validate(c)
             tok = _NoEos(ctx.tok) if args.ignore_eos else ctx.tok
             run = dataclasses.replace(ctx, config=c, tok=tok)
-            setup = rl_loop.make_setup(run)
-            st = rl_loop.init_state(run, setup, jax.tree.map(jnp.copy, params0))
+            setup = rl_state.make_setup(run)
+            st = trainables.init_state(run, setup, jax.tree.map(jnp.copy, params0))
             rng = jax.random.key(0)
             timed = []
             for step in range(args.steps + 1):
                 rng, k = jax.random.split(rng)
-                st, m = rl_loop.rl_step(run, setup, st, k, step)
+                st, m = phases.rl_step(run, setup, st, k, step)
                 if step:
                     timed.append(m)
             med = {p: statistics.median(t.get(p, 0.0) for t in timed) for p in PHASES}

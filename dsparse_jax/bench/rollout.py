@@ -62,7 +62,6 @@ import numpy as np
 
 from dsparse_jax.config import cli
 
-POLICIES = ("centroid", "quest", "streaming")
 REFERENCE = "dense@budget"  # the overhead's reference step, timed in every context's rounds
 
 
@@ -154,6 +153,8 @@ def parse_args(argv=None):
         args.batch, args.prompt_len, args.gen_lens = 8, 32, "128"
         args.step_contexts, args.step_rounds, args.step_reps = "1024", 2, 5
         if not args.configs:
+            from dsparse_jax.attention.spec import POLICIES
+
             args.configs = "dense," + ",".join(f"{p}:0" for p in POLICIES) + ",centroid:2"
     return args
 
@@ -612,6 +613,8 @@ def main(argv: list[str]) -> int:
     if args.configs:
         configs = [c for c in args.configs.split(",") if c]
     else:
+        from dsparse_jax.attention.spec import POLICIES
+
         configs = ["dense"] + [f"{p}:{d}" for d in args.dense_layers.split(",") for p in POLICIES]
     for c in configs:
         spec_for(c, args.budget, args.page_size, args.impl)  # validate early

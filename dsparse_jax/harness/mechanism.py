@@ -283,7 +283,7 @@ def cmd_distill(lab: Lab, args, save) -> dict:
 
 
 def _dense_logp(lab: Lab, tokens):
-    from dsparse_jax.train.steps import token_logprobs
+    from dsparse_jax.train.recompute import token_logprobs
 
     logp, _ = token_logprobs(
         lab.ctx.graphdef, lab.params, tokens, temperature=lab.config.rl.temperature

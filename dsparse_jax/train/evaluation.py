@@ -160,7 +160,7 @@ class Evaluator:
         """The quality head's P(correct) of each row [B]: its features are layer `layer`'s
         output at the row's last fed token of its first `position` completion tokens (the
         whole completion if shorter), as the sampler records them at a checkpoint."""
-        fn = _head_scores_fn(self.sampler.graphdef, layer, spec, lora_scale)
+        fn = _quality_scores_fn(self.sampler.graphdef, layer, spec, lora_scale)
         return np.asarray(
             fn(
                 params,
@@ -210,7 +210,7 @@ def pass_at_k(correct_PxK) -> float:
 
 
 @functools.lru_cache(maxsize=None)
-def _head_scores_fn(graphdef, layer: int, spec, lora_scale: float):
+def _quality_scores_fn(graphdef, layer: int, spec, lora_scale: float):
     @jax.jit
     def fn(params, lora, head, tokens, prompt_len, ncomp, pages, position):
         model = nnx.merge(graphdef, params)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -61,7 +60,3 @@ def training_pairs(record, rewards_B, pad_to: int | None = None):
 def init(cfg: quality_head.QualityHeadConfig, tx, key):
     head = quality_head.init_quality_head(cfg, key)
     return head, tx.init(head)
-
-
-def as_device(x):
-    return jax.tree.map(jnp.asarray, x)

@@ -37,10 +37,8 @@ from dsparse_jax.train.rl_state import (
     phi_warmup_tx,
     place,
 )
-from dsparse_jax.train.trainables import OPTIONAL_KEYS as TRAINABLE_KEYS
+from dsparse_jax.train.trainables import OPTIONAL_KEYS as STATE_OPTIONAL_KEYS
 from dsparse_jax.train.trainables import Trainable, TrainState, from_tree, init_state, to_tree
-
-__all__ = ["RL_DATA_OFFSET", "evaluate", "init_state", "make_setup", "rl_step", "train_rl"]
 
 
 # ------------------------------------------------------------------------------- evaluation
@@ -82,7 +80,7 @@ def evaluate(
 # optional ones (and before an optional trainable, trainables.OPTIONAL_KEYS) lack them:
 # they read as 0.
 PROGRESS = ("data_position", "consecutive_skips", "phi_warmup_steps")
-OPTIONAL_KEYS = TRAINABLE_KEYS + PROGRESS[1:]
+OPTIONAL_KEYS = STATE_OPTIONAL_KEYS + PROGRESS[1:]
 
 
 def _saveable(

@@ -127,8 +127,7 @@ class RLSetup:
     # rollout
     prompts_per_step: int
     seed: int  # config.seed: which training problems each step's prompts are
-    m: int  # generated samples per prompt (M >= n)
-    sampling: SamplingConfig  # the rollout's: M per prompt at rl.temperature
+    sampling: SamplingConfig  # the rollout's: M samples per prompt at rl.temperature
     rollout_spec: AttentionSpec  # the actor's attention
     lora_scale: float  # phi's scale in the actor (1.0: no adapter)
     pruning: Pruning | None  # rl.prune.enabled
@@ -145,6 +144,11 @@ class RLSetup:
     correction: Correction  # theta's batch (rl.is_correction)
     distill: distill.DistillSettings | None  # phi's (mode.updates_phi)
     phi_row_stride: int  # distill.row_stride: phi trains on every this-th kept row
+
+    @property
+    def m(self) -> int:
+        """Generated samples per prompt (M >= n): the rollout's SamplingConfig holds it."""
+        return self.sampling.samples_per_prompt
 
 
 def draft_head_setup(c, model_cfg) -> DraftHeadSetup:
@@ -245,7 +249,6 @@ def make_setup(ctx: RunContext) -> RLSetup:
         plan=plan,
         prompts_per_step=c.prompts_per_step,
         seed=ctx.config.seed,
-        m=m,
         sampling=rollouts.sampling_config(ctx, c.temperature, m, c.grow_buffer_from),
         rollout_spec=rollout_spec,
         lora_scale=lora_scale,
@@ -287,7 +290,8 @@ def phi_warmup_setup(setup: RLSetup) -> RLSetup:
     without its PPO term (loss kl_only; the mode's divergence)."""
     d = setup.distill
     d = dataclasses.replace(d, loss="kl_only", teacher=WARMUP_TEACHER[d.exact])
-    return dataclasses.replace(setup, m=setup.n, pruning=None, distill=d)
+    sampling = dataclasses.replace(setup.sampling, samples_per_prompt=setup.n)
+    return dataclasses.replace(setup, sampling=sampling, pruning=None, distill=d)
 
 
 def phi_warmup_tx(lora_section):
