@@ -24,7 +24,7 @@ def measure_sweep(
     """Mismatch of the naive sparse actor (theta from the SFT warm start, no adapter) vs
     the dense policy, per sparse.budget, without training: the sparse actor samples
     `prompts` x rl.samples_per_prompt completions of the RL prompt stream (batches_n
-    batches; the first includes the compile and is not timed) and recompute.dense_and_twin
+    batches; the first includes the compile and is not timed) and recompute.of_rollout
     measures the exact per-token mismatch of its teacher-forced twin (the recorded pages)
     vs the dense policy. A dense rollout of the same prompts is the reference."""
     validate(config)
@@ -48,6 +48,9 @@ def measure_sweep(
         else:
             sp = dataclasses.replace(ctx.rollout_spec.sparse, budget=budget)
             spec = twin = dataclasses.replace(ctx.rollout_spec, sparse=sp)
+        settings = recompute.Settings(
+            c.temperature, ctx.spec, twin, bin_width=config.metrics.position_bin, num_bins=n_bins
+        )
         per_batch, times, toks, rewards = [], [], [], []
         for b in range(batches_n):
             probs = ctx.task.problems("train", RL_DATA_OFFSET + b * prompts, prompts, config.seed)
@@ -59,21 +62,7 @@ def measure_sweep(
                 times.append(rolled.seconds)
                 toks.append(float(ncomp.sum()))
             rewards.append(np.asarray(rolled.scored.rewards))
-            rec = recompute.dense_and_twin(
-                params,
-                None,
-                r.tokens,
-                r.prompt_lengths,
-                r.completion_mask,
-                r.pages(),
-                r.logprobs,
-                graphdef=ctx.graphdef,
-                temperature=c.temperature,
-                dense_spec=ctx.spec,
-                twin_spec=twin,
-                bin_width=config.metrics.position_bin,
-                num_bins=n_bins,
-            )
+            rec = recompute.of_rollout(ctx.graphdef, params, None, r, settings)
             m = recompute.flatten_metrics(jax.device_get(rec["metrics"]))
             m["response_length_mean"] = float(ncomp.mean())
             per_batch.append(m)

@@ -23,7 +23,6 @@ TrainState (trainables.Trainable), updated with the entry's own transform.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Any, NamedTuple
 
@@ -46,7 +45,13 @@ from dsparse_jax.train import distill, quality
 from dsparse_jax.train import draft_head as draft_head_train
 from dsparse_jax.train.context import RunContext
 from dsparse_jax.train.grpo import grpo_update
-from dsparse_jax.train.recompute import flatten_metrics, logprobs, of_rollout, rollout_metrics
+from dsparse_jax.train.recompute import (
+    flatten_metrics,
+    logprobs,
+    of_rollout,
+    rollout_metrics,
+    row_groups,
+)
 from dsparse_jax.train.rl_state import RL_DATA_OFFSET, RLSetup
 from dsparse_jax.train.rollouts import score as grade
 from dsparse_jax.train.trainables import Trainable, TrainState
@@ -155,11 +160,6 @@ def gather_rows(tree, rows, plan=None):
     if plan is not None:  # one jitted gather on the mesh, rows batch-sharded
         return plan.take_rows(tree, rows)
     return jax.tree.map(lambda x: x[rows], tree)
-
-
-def _chunks(setup: RLSetup, rows: int) -> int:
-    """Row groups of a no-gradient forward (recompute.Settings.row_chunks)."""
-    return math.gcd(rows, setup.recompute.row_chunks)
 
 
 def _recompute(ctx, setup: RLSetup, st: TrainState, r: Rollout, twin: bool = True) -> dict:
@@ -535,7 +535,7 @@ def recompute(ctx, setup: RLSetup, st: TrainState, sel: Selected, ref_params, st
             graphdef=ctx.graphdef,
             temperature=setup.grpo.temperature,
             spec=setup.grpo.spec,
-            chunks=_chunks(setup, kept.tokens.shape[0]),
+            chunks=row_groups(kept.tokens.shape[0], setup.recompute),
         )
     teacher_logp = teacher_params = None
     if setup.mode.updates_phi and setup.distill.teacher == "cached":
@@ -627,7 +627,7 @@ def update_phi(ctx, setup: RLSetup, st: TrainState, sel: Selected, recomputed: R
                 tokens,
                 graphdef=ctx.graphdef,
                 temperature=setup.distill.temperature,
-                chunks=_chunks(setup, tokens.shape[0]),
+                chunks=row_groups(tokens.shape[0], setup.recompute),
             )
     phi, ms = _minibatch_updates(
         distill.phi_update,

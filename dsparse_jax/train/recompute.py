@@ -409,6 +409,11 @@ def _metric_settings(s: Settings) -> dict:
     return dict(bin_width=s.bin_width, num_bins=s.num_bins, draft_tokens=s.draft_tokens)
 
 
+def row_groups(rows: int, s: Settings) -> int:
+    """Row groups of a no-gradient forward of `rows` rows: gcd(rows, s.row_chunks)."""
+    return math.gcd(rows, s.row_chunks)
+
+
 def of_rollout(graphdef, params, lora, r: Rollout, s: Settings, twin: bool = True) -> dict:
     """`dense_and_twin` of the rows of `r`: dense theta and, with `twin`, the actor's twin."""
     return dense_and_twin(
@@ -425,7 +430,7 @@ def of_rollout(graphdef, params, lora, r: Rollout, s: Settings, twin: bool = Tru
         dense_spec=s.dense_spec,
         twin_spec=s.twin_spec if twin else None,
         lora_scale=s.lora_scale,
-        chunks=math.gcd(r.tokens.shape[0], s.row_chunks),
+        chunks=row_groups(r.tokens.shape[0], s),
         **_metric_settings(s),
     )
 
