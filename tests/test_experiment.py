@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from dsparse_jax.config import cli
 from dsparse_jax.errors import UserError
 from dsparse_jax.harness import experiment as ex
 from dsparse_jax.harness import results as res
@@ -72,7 +73,7 @@ def test_plan_variants_and_overrides():
     over = ex.run_overrides(cfg, {"rl.samples_per_prompt": 4}, "distillsparse_m2n", 3)
     assert over["rl.samples_generated"] == 8 and over["seed"] == 3
     assert over["rl.rollout_mode"] == "distillsparse"
-    assert ex.load_config(cfg, over).rl.samples_generated == 8
+    assert cli.load_config(cfg, over).rl.samples_generated == 8
     assert ex.run_overrides(cfg, {}, "sparse_mis", 0)["rl.is_correction"] == "mis"
 
     class A:

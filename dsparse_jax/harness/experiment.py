@@ -81,11 +81,6 @@ def override_args(overrides: dict) -> list[str]:
     return [f"--config.{k}={fmt_value(v)}" for k, v in overrides.items()]
 
 
-def load_config(config_path: str, overrides: dict):
-    """The ConfigDict launch/train.py would build from these overrides (no jax import)."""
-    return cli.load_config(config_path, overrides)
-
-
 def resolve_variants(spec: str | None, quick: bool) -> list[str]:
     if not spec:
         return list(QUICK_VARIANTS if quick else VARIANTS)
@@ -126,7 +121,7 @@ def run_overrides(config_path: str, common: dict, variant: str, seed: int) -> di
     out["seed"] = seed
     v = dict(VARIANTS[variant])
     if v.get("rl.samples_generated") == "2n":
-        n = load_config(config_path, out).rl.samples_per_prompt
+        n = cli.load_config(config_path, out).rl.samples_per_prompt
         v["rl.samples_generated"] = 2 * n
     out.update(v)
     return out
@@ -236,7 +231,7 @@ def ensure_sft_base(args, common: dict, seed: int) -> str | None:
     when the config disables SFT, e.g. real data from a pretrained checkpoint)."""
     base = os.path.join(args.expdir, "sft_base")
     os.makedirs(base, exist_ok=True)
-    if not load_config(args.config, common).sft.get("enabled", True):
+    if not cli.load_config(args.config, common).sft.get("enabled", True):
         print(
             "[experiment] sft.enabled=False: no SFT warm start (RL starts from the "
             "initial weights)",
@@ -315,7 +310,7 @@ def cmd_run(args) -> int:
             raise UserError("--budget_from_sweep and --config.sparse.budget: choose one")
         common["sparse.budget"] = sweep["suggested_budget"]
         print(f"[experiment] sparse.budget={sweep['suggested_budget']} from the sweep", flush=True)
-    cfg = load_config(args.config, common)  # fails early on a bad override
+    cfg = cli.load_config(args.config, common)  # fails early on a bad override
     num_steps = cfg.rl.num_steps
     runs = plan_runs(variants, seeds)
     states = {}
@@ -433,7 +428,7 @@ def cmd_sweep(args) -> int:
     base = ensure_sft_base(args, common, seed)
     if args.compile_cache and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.abspath(args.compile_cache)
-    config = load_config(args.config, {**common, "seed": seed})
+    config = cli.load_config(args.config, {**common, "seed": seed})
     c = config.rl
     prompts = args.prompts or c.prompts_per_step
     result = sweep.measure_sweep(config, base, budgets, prompts, args.batches, not args.no_greedy)
