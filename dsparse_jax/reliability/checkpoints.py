@@ -52,7 +52,7 @@ def to_saveable(params, opt_state, *, rng, step: int, extra: dict | None = None)
 
 def from_saveable(tree: dict, params_template, opt_template):
     """(params, opt_state, rng, step, extra) from a restored tree."""
-    params = _replace_pure(params_template, tree["params"])
+    params = from_pure_dict(params_template, tree["params"])
     opt_state = jax.tree.unflatten(jax.tree.structure(opt_template), tree["opt_state"])
     rng = jax.random.wrap_key_data(tree["rng"])
     extra = {
@@ -61,7 +61,8 @@ def from_saveable(tree: dict, params_template, opt_template):
     return params, opt_state, rng, int(tree["step"]), extra
 
 
-def _replace_pure(state_template, pure):
+def from_pure_dict(state_template, pure):
+    """A copy of an nnx State template with the values of its pure dict (nnx.to_pure_dict)."""
     state = jax.tree.map(lambda x: x, state_template)
     nnx.replace_by_pure_dict(state, pure)
     return state

@@ -22,6 +22,7 @@ from flax import nnx
 
 from dsparse_jax.model import draft_head, quality_head
 from dsparse_jax.model.lora import init_lora
+from dsparse_jax.reliability import checkpoints
 from dsparse_jax.sampling.history import HistoryBank
 from dsparse_jax.train import draft_head as draft_head_train
 from dsparse_jax.train import quality
@@ -114,12 +115,6 @@ TRAINABLES = (
 )
 
 
-def _from_pure_dict(template, pure):
-    state = jax.tree.map(lambda x: x, template)
-    nnx.replace_by_pure_dict(state, pure)
-    return state
-
-
 def _from_leaves(template, leaves):
     return jax.tree.unflatten(jax.tree.structure(template), leaves)
 
@@ -128,7 +123,7 @@ def _from_leaves(template, leaves):
 # (theta: paths by name) or the flat leaf list (int-keyed dicts stay out of orbax).
 # Optimizer states are always leaf lists.
 SAVED_AS = {
-    "pure_dict": (nnx.to_pure_dict, _from_pure_dict),
+    "pure_dict": (nnx.to_pure_dict, checkpoints.from_pure_dict),
     "leaves": (jax.tree.leaves, _from_leaves),
 }
 
