@@ -173,3 +173,43 @@ def test_pathological_expression_times_out():
     assert ac.is_equivalent(a, b, timeout=1.0) is False
     assert time.time() - t < 5.0
     assert ac.is_equivalent("\\frac{x^2-1}{x-1}", "x+1")  # the worker came back
+
+
+@pytest.mark.parametrize(
+    "pred,ref,want",
+    [
+        # matrices and vectors: same shape, entries in order
+        (r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", r"\begin{pmatrix}1\\2\end{pmatrix}", True),
+        (r"\begin{pmatrix} 2 \\ 1 \end{pmatrix}", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", False),
+        (
+            r"\begin{pmatrix} 1 & 3 \\ 2 & 4 \end{pmatrix}",
+            r"\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}",
+            False,
+        ),
+        (
+            r"\begin{bmatrix} \frac12 \\ -1 \end{bmatrix}",
+            r"\begin{pmatrix} 0.5 \\ -1 \end{pmatrix}",
+            True,
+        ),
+        # \pm and "or" / "and" lists: the set of values
+        (r"\pm 2", "2, -2", True),
+        (r"1 \pm \sqrt{2}", r"1+\sqrt2, 1-\sqrt2", True),
+        (r"1 + \sqrt{2}", r"1 \pm \sqrt{2}", False),
+        (r"x=2 \text{ or } x=3", "3, 2", True),
+        (r"2 \text{ or } 4", "2, 3", False),
+        # repeating decimals
+        (r"0.\overline{36}", r"\frac{4}{11}", True),
+        (r"0.1\overline{6}", r"\frac16", True),
+        ("0.33", r"\frac13", False),
+        # logarithms and exact constants
+        (r"\log_2 8", "3", True),
+        (r"\log_2 3", r"\frac{\ln 3}{\ln 2}", True),
+        (r"\log_2 8", "4", False),
+        (r"\exp(2)", "e^2", True),
+        ("3.14", r"\pi", False),
+        # commands outside the symbolic subset are never multiplied out as letters
+        (r"\alpha", r"\beta", False),
+    ],
+)
+def test_equivalent_forms_and_ordered_answers(pred, ref, want):
+    assert ac.is_equivalent(pred, ref) is want

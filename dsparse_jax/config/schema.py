@@ -109,7 +109,9 @@ def defaults() -> ml_collections.ConfigDict:
     c.reward = ml_collections.ConfigDict()
     c.reward.fn = ""
     c.reward.weights = ""  # comma list, one per reward.fn ("" -> 1 each); the reward is the sum
-    c.reward.grader = "auto"  # built-in grader of real data: auto (in-house) | math | math_verify
+    # built-in grader of real data: auto (in-house) | math | math_verify (the package's own
+    # extraction) | math_verify_extracted (ours: the last \boxed, ####; its equivalence)
+    c.reward.grader = "auto"
     c.reward.timeout_s = 10.0  # per call of a user function; past it the row scores 0
     c.reward.max_error_fraction = 0.1  # more failed rows in one step than this: the run stops
 

@@ -246,7 +246,7 @@ def _validate_reward(c) -> None:
         raise ConfigError(str(e)) from None
     _check(r.grader in graders.GRADERS, "reward.grader", f"must be one of {graders.GRADERS}")
     _check(
-        r.grader != "math_verify" or importlib.util.find_spec("math_verify") is not None,
+        not r.grader.startswith("math_verify") or importlib.util.find_spec("math_verify") is not None,
         "reward.grader",
         "math_verify needs the math-verify package: pip install math-verify",
     )

@@ -5,9 +5,12 @@
     reference_answer(raw)       a dataset's answer field: "#### N" (GSM8K), \\boxed (MATH
                                 solutions) or the plain answer
     is_equivalent(pred, ref)    normalized string match, numeric equivalence (integers,
-                                decimals, fractions, thousands separators, $ / % / unit
-                                words stripped), element-wise for tuples, intervals and
-                                solution sets, then symbolic equivalence with sympy
+                                decimals, fractions, repeating decimals, thousands
+                                separators, $ / % / unit words stripped), element-wise in
+                                order for tuples, intervals and matrices, as sets for
+                                solution lists (comma lists, "or" / "and" lists, a \pm b),
+                                then symbolic equivalence with sympy (logarithms to any
+                                base, e, pi)
     grade(completion, ref)      extract + is_equivalent
 
 The symbolic check runs in a separate worker process (python -m
@@ -173,6 +176,9 @@ def _frac_arg(s: str, i: int) -> tuple[str | None, int]:
     return s[i], i + 1
 
 
+_REPEATING = re.compile(r"(\d*)\.(\d*)\\overline\{?(\d+)\}?")
+
+
 def parse_number(s: str) -> Fraction | None:
     """Exact value of a numeric answer: 12, -3.5, 1,234, 3/4, \\frac{3}{4}, 18 dollars."""
     try:
@@ -186,6 +192,12 @@ def parse_number(s: str) -> Fraction | None:
             t = normalize(m.group(1))
         neg = t.startswith("-")
         body = t[1:] if t[:1] in "+-" else t
+        m = _REPEATING.fullmatch(body)
+        if m:  # 0.1\overline{36} = 0.1363636...
+            whole, fixed, cycle = m.group(1) or "0", m.group(2), m.group(3)
+            val = Fraction(whole) + Fraction(int(fixed or "0"), 10 ** len(fixed))
+            val += Fraction(int(cycle), 10 ** len(fixed) * (10 ** len(cycle) - 1))
+            return -val if neg else val
         if re.fullmatch(r"\d{1,3}(,\d{3})+(\.\d+)?", body):
             body = body.replace(",", "")
         if re.fullmatch(r"\d+(\.\d*)?|\.\d+", body):
@@ -264,7 +276,23 @@ def _equivalent(pred: str, ref: str, timeout: float, symbolic: bool, depth: int)
     x, y = parse_number(pred), parse_number(ref)
     if x is not None and y is not None:
         return x == y or abs(float(x) - float(y)) <= 1e-9 * max(1.0, abs(float(y)))
+    ma, mb = _matrix(pred), _matrix(ref)  # raw: normalize reads a row break as a space
+    if ma is not None or mb is not None:  # matrices / vectors: same shape, entries in order
+        return (
+            ma is not None
+            and mb is not None
+            and [len(r) for r in ma] == [len(r) for r in mb]
+            and all(
+                _equivalent(p, q, timeout, symbolic, depth + 1)
+                for ra, rb in zip(ma, mb)
+                for p, q in zip(ra, rb)
+            )
+        )
     if depth < 2:
+        alts = [_alternatives(pred), _alternatives(ref)]
+        if alts[0] or alts[1]:  # a \pm b, "x = 2 or x = 3": the set of values
+            ea, eb = (alt or _split_top(normalize(raw)) for alt, raw in zip(alts, (pred, ref)))
+            return _same_elements(ea, eb, timeout, symbolic, depth)
         sets = [s[2:-2] for s in (a, b) if s.startswith("\\{") and s.endswith("\\}")]
         if len(sets) == 2:  # \{1, 2\}: a set, any order
             return _same_elements(
@@ -285,6 +313,41 @@ def _equivalent(pred: str, ref: str, timeout: float, symbolic: bool, depth: int)
     if sa is None or sb is None:
         return False
     return _symbolic_equal(sa, sb, timeout)
+
+
+_MATRIX = re.compile(r"\\begin\{([pbBvV]?matrix|array)\}(?:\{[^{}]*\})?(.*)\\end\{\1\}", re.S)
+
+
+def _matrix(s: str) -> list[list[str]] | None:
+    """The rows of entries of a \\begin{pmatrix} ... \\end{pmatrix} (bmatrix, matrix,
+    array, ...) answer, else None."""
+    m = _MATRIX.fullmatch(s.strip())
+    if m is None:
+        return None
+    rows = [r for r in re.split(r"\\\\", m.group(2)) if r.strip()]
+    return [[e.strip() for e in r.split("&")] for r in rows]
+
+
+_OR = re.compile(r"\s*(?:,\s*)?\b(?:or|and)\b\s*")
+_PM = re.compile(r"\\(pm|mp)")
+
+
+def _alternatives(s: str) -> list[str] | None:
+    """The values of an answer that lists alternatives, else None: "a \\pm b" -> [a+b, a-b]
+    (\\pm once), "x = 2 or x = 3" / "2 and 3" -> ["2", "3"] (each part normalized)."""
+    t = _TEXT_CMD.sub(r" \1 ", str(s))
+    if len(_PM.findall(t)) == 1:
+        left, sign, right = _PM.split(t)
+        left, right = left.strip(), right.strip()
+        first, second = ("+", "-") if sign == "pm" else ("-", "+")
+        if not right:
+            return None
+        make = (lambda op: f"{left}{op}{right}") if left else (lambda op: f"{op}{right}")
+        return [normalize(make(first)), normalize(make(second).lstrip("+"))]
+    parts = [p for p in _OR.split(t) if p.strip()]
+    if len(parts) < 2 or any(re.search(r"[a-zA-Z]{3,}", normalize(p)) for p in parts):
+        return None
+    return [normalize(p) for p in parts]
 
 
 def _same_elements(ea, eb, timeout, symbolic, depth) -> bool:
@@ -366,6 +429,20 @@ def _replace_cmd_args(s: str, cmd: str, nargs: int, fmt) -> str | None:
     return None
 
 
+# \log_b x, \log_{b}(x), \ln x, \log{x}: the base and a simple argument (a group, or a
+# number / letters with an optional power).
+_LOG = re.compile(
+    r"\\(?:log|ln)(?:_\{?([0-9a-zA-Z.]+)\}?)?\s*"
+    r"(\{[^{}]*\}|\([^()]*\)|[0-9a-zA-Z.]+(?:\^\{?[0-9a-zA-Z.]+\}?)?)"
+)
+
+
+def _log_source(m) -> str:
+    arg = m.group(2)
+    arg = arg[1:-1] if arg[0] in "{(" else arg
+    return f"(log({arg})/log({m.group(1)}))" if m.group(1) else f"log({arg})"
+
+
 def latex_to_sympy(s: str) -> str | None:
     """sympy-parsable source of a LaTeX math answer, or None if outside the subset."""
     s = s.replace("\\left", "").replace("\\right", "")
@@ -377,8 +454,11 @@ def latex_to_sympy(s: str) -> str | None:
     )
     if s is None:
         return None
+    s = _LOG.sub(_log_source, s)
     for k in sorted(_LATEX_NAMES, key=len, reverse=True):
         s = s.replace(k, _LATEX_NAMES[k])
+    if re.search(r"\\[a-zA-Z]", s):  # a command outside the subset (\begin, \alpha, ...)
+        return None
     s = s.replace("{", "(").replace("}", ")").replace("^", "**").replace("\\", " ")
     s = re.sub(r"\|([^|]+)\|", r"Abs(\1)", s)
     if not re.fullmatch(r"[0-9a-zA-Z+\-*/(). ]*", s) or "__" in s or not s.strip():
@@ -388,6 +468,8 @@ def latex_to_sympy(s: str) -> str | None:
 
     def ident(m):
         w = m.group(0)
+        if w == "e":  # a lone e is Euler's number
+            return "E"
         return w if w in _FUNCS else "*".join(w)  # xy -> x*y
 
     return re.sub(r"[a-zA-Z]+", ident, s)

@@ -23,7 +23,8 @@ from dsparse_jax.data import answer_check
 from dsparse_jax.data.math_task import ANSWER_PREFIX
 from dsparse_jax.errors import UserError
 
-GRADERS = ("auto", "math", "math_verify")  # reward.grader; auto: chain task / in-house math
+# reward.grader; auto: the chain task's own / the in-house math grader
+GRADERS = ("auto", "math", "math_verify", "math_verify_extracted")
 
 _KEY = ANSWER_PREFIX.strip()  # "answer:"
 _LINE_START = re.compile(r"(?:^|\n)" + re.escape(_KEY))
@@ -75,11 +76,24 @@ def math_verify_reward(completion: str, reference: str, format_reward: float = 0
     return 1.0 if gold and mv.verify(gold, pred) else float(format_reward)
 
 
+def extracted_math_verify_reward(completion: str, reference: str, format_reward: float = 0.0):
+    """Our extraction (the last \\boxed{}, ####, "the answer is") in front of math-verify's
+    equivalence: 1 if right, `format_reward` if an answer was given but is wrong, else 0."""
+    mv = load_math_verify()
+    pred = answer_check.extract_answer(completion)
+    if pred is None:
+        return 0.0
+    gold = mv.parse("\\boxed{" + str(reference) + "}")
+    got = mv.parse("\\boxed{" + pred + "}")
+    return 1.0 if gold and got and mv.verify(gold, got) else float(format_reward)
+
+
 # grader -> its reward(completion, reference answer, format_reward)
 GRADE = {
     "chain": chain_reward,  # this task's answer line
     "math": answer_check.math_reward,  # \\boxed / #### answers, for real datasets
-    "math_verify": math_verify_reward,
+    "math_verify": math_verify_reward,  # math-verify's own extraction and equivalence
+    "math_verify_extracted": extracted_math_verify_reward,
 }
 
 
@@ -88,7 +102,7 @@ def reward(
 ) -> float:
     """The reward of one completion by `grader` (a key of GRADE)."""
     if grader not in GRADE:
-        raise ValueError(f"unknown grader {grader!r}: chain | math | math_verify")
+        raise ValueError(f"unknown grader {grader!r}: {' | '.join(GRADE)}")
     return GRADE[grader](completion, answer, format_reward)
 
 

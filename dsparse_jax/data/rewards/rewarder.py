@@ -82,7 +82,7 @@ class Rewarder:
             raise UserError(
                 f"config.reward.grader: must be one of {graders.GRADERS}, got {grader!r}"
             )
-        if grader == "math_verify":
+        if grader.startswith("math_verify"):
             graders.load_math_verify()
         self.refs = parse_refs(fn)
         self.weights = parse_weights(weights, len(self.refs))
