@@ -77,7 +77,8 @@ def test_readme_example_runs_as_written(tmp_path):
         )
 
     # The same reward failing on every completion: the run (RL from the cached warm start)
-    # stops at its first evaluation with one line.
+    # stops with one line once reward.error_min_rows (64) rows were scored: the step-0
+    # evaluation scores 40 (8 greedy, 32 mean@4), RL step 1 64 more.
     failing = reward.replace('"""\n', '"""\n    raise ValueError("broken reward")\n', 1)
     assert failing != reward
     shutil.rmtree(os.path.join(wd, "checkpoints"))
@@ -85,7 +86,7 @@ def test_readme_example_runs_as_written(tmp_path):
     res = _bash(cwd, command)
     assert res.returncode == 2, res.stderr[-3000:]
     last = res.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: reward: ") and "rows failed in eval" in last
+    assert last.startswith("error: reward: ") and "rows failed (at RL step 1)" in last
     assert "config.reward.max_error_fraction=0.1" in last and "ValueError: broken reward" in last
     assert "Traceback" in res.stderr  # the first error, printed once with its traceback
 

@@ -55,6 +55,10 @@ REWARDS_PY = textwrap.dedent(
         return 1.0
 
 
+    def one_value_for_all(prompts, completions, **kwargs):
+        return [1.0]
+
+
     def sees_extra_info(data_source, solution_str, ground_truth, extra_info=None):
         return float(data_source == "openai/gsm8k" and extra_info["index"] == 7)
 
@@ -179,15 +183,63 @@ def test_a_hang_that_ignores_the_alarm_kills_the_worker(reward_file, monkeypatch
 
 
 def test_too_many_errors_stop_with_a_clear_message(reward_file):
-    r = _rewarder(f"{reward_file}:raises_on_boom", max_error_fraction=0.25)
+    r = _rewarder(f"{reward_file}:raises_on_boom", max_error_fraction=0.25, error_min_rows=4)
     try:
         with pytest.raises(rewarder.RewardErrors) as e:
             r.score(_problems(4), ["boom", "boom", "ok", "ok"], where="RL step 3")
     finally:
         r.close()
     msg = str(e.value)
-    assert "2 of 4 rows failed in RL step 3" in msg
+    assert "2 of the last 4 rows failed (at RL step 3)" in msg
     assert "config.reward.max_error_fraction=0.25" in msg and "ZeroDivisionError" in msg
+
+
+def _batches(rate_every: int, batches: int, rows: int = 8):
+    """Completions of `batches` batches where every rate_every-th row (over the run) is a
+    'boom' row: a failure rate of 1 / rate_every."""
+    out, i = [], 0
+    for _ in range(batches):
+        out.append(["boom" if (i + j) % rate_every == 0 else "ok" for j in range(rows)])
+        i += rows
+    return out
+
+
+def test_a_rare_failure_survives_and_is_counted(reward_file):
+    """6% of rows fail (1 in 16): an 8-row batch with a failure is 12%, above the 10%
+    max_error_fraction, yet the run survives, since the rate is over the recent rows; every
+    failure is in reward_errors."""
+    r = _rewarder(f"{reward_file}:raises_on_boom")
+    try:
+        counts = [
+            r.score(_problems(8), texts).metrics["reward_errors"] for texts in _batches(16, 40)
+        ]
+    finally:
+        r.close()
+    assert sum(counts) == 40 * 8 // 16 and max(counts) == 1
+
+
+def test_a_frequent_failure_stops_once_enough_rows_are_scored(reward_file):
+    """Half the rows fail: the run stops at the batch that brings the scored rows to
+    reward.error_min_rows (64 = 8 batches of 8), not before."""
+    r = _rewarder(f"{reward_file}:raises_on_boom")
+    done = 0
+    try:
+        with pytest.raises(rewarder.RewardErrors, match="32 of the last 64 rows failed"):
+            for texts in _batches(2, 20):
+                r.score(_problems(8), texts)
+                done += 1
+    finally:
+        r.close()
+    assert done == 7
+
+
+def test_a_batch_reward_with_the_wrong_count_stops_naming_it(reward_file):
+    r = _rewarder(f"{reward_file}:one_value_for_all")
+    try:
+        with pytest.raises(UserError, match="one_value_for_all returned 1 values for 4 rows"):
+            r.score(_problems(4), ["a", "b", "c", "d"])
+    finally:
+        r.close()
 
 
 def test_bad_reward_specs_are_user_errors(reward_file, tmp_path):
@@ -219,6 +271,8 @@ def test_reward_config_validation(reward_file, tmp_path):
         ({"grader": "sympy"}, "config.reward.grader"),
         ({"timeout_s": 0.0}, "config.reward.timeout_s"),
         ({"max_error_fraction": 1.5}, "config.reward.max_error_fraction"),
+        ({"error_window": 0}, "config.reward.error_window"),
+        ({"error_min_rows": 600}, "config.reward.error_min_rows"),
     ]:
         with pytest.raises(ConfigError, match=match):
             check(**fields)

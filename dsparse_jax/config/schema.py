@@ -113,7 +113,11 @@ def defaults() -> ml_collections.ConfigDict:
     # extraction) | math_verify_extracted (ours: the last \boxed, ####; its equivalence)
     c.reward.grader = "auto"
     c.reward.timeout_s = 10.0  # per call of a user function; past it the row scores 0
-    c.reward.max_error_fraction = 0.1  # more failed rows in one step than this: the run stops
+    # more failed rows than this fraction of the last error_window rows (once at least
+    # error_min_rows were scored): the run stops
+    c.reward.max_error_fraction = 0.1
+    c.reward.error_window = 512
+    c.reward.error_min_rows = 64
 
     c.attention = ml_collections.ConfigDict()
     c.attention.impl = "xla"  # auto | xla | pallas_tpu | triton_gpu

@@ -246,12 +246,19 @@ def _validate_reward(c) -> None:
         raise ConfigError(str(e)) from None
     _check(r.grader in graders.GRADERS, "reward.grader", f"must be one of {graders.GRADERS}")
     _check(
-        not r.grader.startswith("math_verify") or importlib.util.find_spec("math_verify") is not None,
+        not r.grader.startswith("math_verify")
+        or importlib.util.find_spec("math_verify") is not None,
         "reward.grader",
         "math_verify needs the math-verify package: pip install math-verify",
     )
     _lr(c, "reward.timeout_s")
     _check(0.0 <= r.max_error_fraction <= 1.0, "reward.max_error_fraction", "must be in [0, 1]")
+    _check(r.error_window >= 1, "reward.error_window", "must be >= 1 (rows)")
+    _check(
+        1 <= r.error_min_rows <= r.error_window,
+        "reward.error_min_rows",
+        f"must be in [1, reward.error_window={r.error_window}]",
+    )
 
 
 def _validate_shapes(c) -> None:

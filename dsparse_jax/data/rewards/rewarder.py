@@ -5,12 +5,16 @@ users' own reward functions (user.py), config reward.*.
 path/to/file.py[:name] | package.module:name | builtin) with reward.weights; a row's
 reward is the weighted sum. A user function that raises, returns a non-number or runs past
 reward.timeout_s scores 0 on that row: the row counts in `reward_errors`, the first error
-of each function is printed with its traceback, and more than reward.max_error_fraction
-failed rows in one batch raise RewardErrors (a UserError: the run stops with one line).
+of each function is printed with its traceback. The run stops with one line
+(RewardErrors, a UserError) when more than reward.max_error_fraction of the last
+reward.error_window rows failed, once at least reward.error_min_rows rows were scored: a
+rate over many rows, not one batch, so a rare failure never stops a run by chance. A
+batch function that returns another number of values than rows stops the run at once.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import sys
 from collections.abc import Sequence
@@ -43,7 +47,7 @@ def parse_weights(weights: str, n: int) -> list[float]:
 
 
 class RewardErrors(UserError):
-    """More reward errors in one batch than reward.max_error_fraction allows."""
+    """More reward errors over the recent rows than reward.max_error_fraction allows."""
 
 
 @dataclasses.dataclass
@@ -77,6 +81,8 @@ class Rewarder:
         format_reward: float = 0.0,
         timeout_s: float = 10.0,
         max_error_fraction: float = 0.1,
+        error_window: int = 512,
+        error_min_rows: int = 64,
     ):
         if grader not in graders.GRADERS:
             raise UserError(
@@ -87,7 +93,9 @@ class Rewarder:
         self.refs = parse_refs(fn)
         self.weights = parse_weights(weights, len(self.refs))
         self.grader, self.format_reward = grader, format_reward
-        self.max_error_fraction = max_error_fraction
+        self.max_error_fraction, self.error_min_rows = max_error_fraction, error_min_rows
+        self._recent = collections.deque(maxlen=error_window)  # bool per scored row
+        self._first_error = None  # the first failure seen, for the stop's message
         self.names = _names(self.refs)
         mine = [s for s in self.refs if s != user.BUILTIN]
         self._worker = user.RewardWorker(mine, timeout_s) if mine else None
@@ -103,6 +111,8 @@ class Rewarder:
             config.task.format_reward,
             r.timeout_s,
             r.max_error_fraction,
+            r.error_window,
+            r.error_min_rows,
         )
 
     def builtin(self, problems, completions: Sequence[str]) -> np.ndarray:
@@ -115,7 +125,7 @@ class Rewarder:
 
     def score(self, problems, completions: Sequence[str], where: str = "") -> Scored:
         """Rewards of row i = (problems[i], completions[i]); raises RewardErrors when more
-        than max_error_fraction of the rows failed (`where`: e.g. "RL step 3")."""
+        than max_error_fraction of the recent rows failed (`where`: e.g. "RL step 3")."""
         if len(problems) != len(completions):
             raise ValueError(f"got {len(completions)} completions for {len(problems)} problems")
         total = np.zeros(len(completions), np.float32)
@@ -128,6 +138,9 @@ class Rewarder:
             else:
                 rows = rows or [_row(p, c) for p, c in zip(problems, completions)]
                 outcomes = self._worker.call(self._worker_index(ref), rows)
+                fatal = next((o["fatal"] for o in outcomes if "fatal" in o), None)
+                if fatal:
+                    raise UserError(f"config.reward.fn: {ref} {fatal}")
                 values = np.array([o.get("value", 0.0) for o in outcomes], np.float32)
                 failed = np.array(["error" in o for o in outcomes])
                 errors |= failed
@@ -138,14 +151,16 @@ class Rewarder:
             total += w * values
             if len(self.refs) > 1:
                 metrics[f"reward_{name}"] = float(values.mean())
-        n_err = int(errors.sum())
-        metrics["reward_errors"] = n_err
-        frac = n_err / max(1, len(errors))
-        if frac > self.max_error_fraction:
+        metrics["reward_errors"] = int(errors.sum())
+        self._first_error = self._first_error or first
+        self._recent.extend(errors.tolist())
+        n, n_err = len(self._recent), sum(self._recent)
+        if n >= self.error_min_rows and n_err > self.max_error_fraction * n:
             raise RewardErrors(
-                f"reward: {n_err} of {len(errors)} rows failed{' in ' + where if where else ''}"
-                f" ({frac:.0%}), more than config.reward.max_error_fraction="
-                f"{self.max_error_fraction}; first: {first}"
+                f"reward: {n_err} of the last {n} rows failed"
+                f"{' (at ' + where + ')' if where else ''} ({n_err / n:.0%}), more than "
+                f"config.reward.max_error_fraction={self.max_error_fraction}; first: "
+                f"{self._first_error}"
             )
         return Scored(total, errors, metrics)
 

@@ -21,7 +21,9 @@ worker imports only the reward files and the standard library, never jax.
 
 Row outcomes are {"value": float} or {"error": one line, "traceback": text}: a raise, a
 non-number (or non-finite) result and a timeout are all errors of that row. A batch fn
-that raises is retried one row at a time, so only the rows that fail are errors.
+that raises is retried one row at a time, so only the rows that fail are errors. A batch
+fn that returns another number of values than rows breaks its contract: every row's
+outcome is {"fatal": one line} and the run stops (Rewarder.score).
 """
 
 from __future__ import annotations
@@ -175,8 +177,15 @@ def _batch_once(fn, rows: list[dict], timeout_s: float) -> list:
     )
     out = list(out)
     if len(out) != len(rows):
-        raise ValueError(f"returned {len(out)} values for {len(rows)} rows")
+        raise WrongCount(
+            f"returned {len(out)} values for {len(rows)} rows (a batch reward returns one "
+            "number per completion)"
+        )
     return out
+
+
+class WrongCount(ValueError):
+    """A batch reward returned another number of values than it was given rows."""
 
 
 def _one(value) -> dict:
@@ -194,6 +203,10 @@ def call_batch(fn, rows: list[dict], timeout_s: float):
     except CallTimeout as e:
         for _ in rows:
             yield _error(e, timeout_s)
+        return
+    except WrongCount as e:
+        for _ in rows:
+            yield {"fatal": str(e)}
         return
     except Exception:  # noqa: BLE001 -- retried row by row to find the failing rows
         values = None
