@@ -69,3 +69,16 @@ def test_wandb_offline(tmp_path, monkeypatch):
     assert len(runs) == 1
     files = os.listdir(tmp_path / "wandb" / runs[0])
     assert any(f.endswith(".wandb") for f in files)
+    # A resumed run (a new writer on the same workdir) continues the same wandb run.
+    run_id = (tmp_path / "wandb_run_id").read_text()
+    assert runs[0].endswith("-" + run_id)
+    again = MetricsWriter(
+        str(tmp_path),
+        tensorboard=False,
+        wandb={"project": "dsparse_test", "name": "t", "config": {"seed": 0}},
+    )
+    assert again._wandb.id == run_id  # pylint: disable=protected-access
+    again.write("rl", 2, {"reward": 0.7})
+    again.close()
+    runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
+    assert len(runs) == 2 and all(r.endswith("-" + run_id) for r in runs)

@@ -22,7 +22,8 @@ class MetricsWriter:
     scalars to TensorBoard (<workdir>/tb) and Weights & Biases when enabled.
 
     wandb: {"project", "name", "config"} starts a wandb run in <workdir>/wandb (the wandb
-    package is optional; WANDB_MODE=offline needs no network or account). Each phase logs
+    package is optional; WANDB_MODE=offline needs no network or account); its id is kept in
+    <workdir>/wandb_run_id, so a resumed run continues the same wandb run. Each phase logs
     against its own step (`<phase>/step`), since SFT and RL steps restart from 1."""
 
     def __init__(self, workdir: str, tensorboard: bool = True, wandb: dict | None = None):
@@ -78,6 +79,9 @@ class MetricsWriter:
             self._wandb = None
 
 
+WANDB_ID_FILE = "wandb_run_id"  # in the workdir: the wandb run a resumed run continues
+
+
 def _start_wandb(workdir: str, project: str, name: str, config: dict):
     try:
         import wandb  # pylint: disable=import-outside-toplevel
@@ -86,7 +90,19 @@ def _start_wandb(workdir: str, project: str, name: str, config: dict):
             "config.log.wandb: needs the wandb package (pip install wandb; it is not in "
             "requirements.txt)"
         ) from e
-    run = wandb.init(project=project, name=name, config=config, dir=workdir, resume="allow")
+    id_path = os.path.join(workdir, WANDB_ID_FILE)
+    run_id = None
+    if os.path.exists(id_path):
+        with open(id_path) as f:
+            run_id = f.read().strip() or None
+    run = wandb.init(
+        project=project, name=name, config=config, dir=workdir, id=run_id, resume="allow"
+    )
+    if run_id is None:  # the first start: kept so that a resumed run continues this one
+        tmp = id_path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(run.id)
+        os.replace(tmp, id_path)
     for phase in ("sft", "rl", "eval"):
         run.define_metric(f"{phase}/*", step_metric=f"{phase}/step")
     return run
