@@ -1,7 +1,7 @@
 """Evaluate a trained policy without training: greedy accuracy, mean@k, maj@k and pass@k
 of the dense policy and of the sparse actor, on the run's eval data or any data source.
 
-  python launch/evaluate.py --workdir=runs/gemma_math [--step=N] [--k=4]
+  python launch/evaluate.py --workdir=runs/gemma_math [--step=N] [--k=4] [--samples=N]
       [--config.data.eval_source=parquet:/data/gsm8k/test.parquet ...] [--out=eval.json]
   python launch/evaluate.py --checkpoint=HF_DIR --config=configs/gemma_real.py [--k=4]
 
@@ -10,14 +10,19 @@ RL checkpoints, the SFT warm start); the sparse actor (sparse attention + phi) i
 evaluated where the run's rollout mode has one. --checkpoint: a Hugging Face directory
 (e.g. written by launch/export.py) with --config for the data and sampling; its
 "sparse" policy is sparse attention (config.sparse) without an adapter. Prints a table,
-writes JSON (--out, default <workdir>/eval_<source>.json, or eval.json next to the
-checkpoint), with a progress line while it samples. Same error convention as train.py.
+writes JSON (--out, default <workdir>/eval_<source>_<data>.json, or eval_<data>.json next
+to the checkpoint: <data> names the eval data, so two datasets never share a file), with
+a progress line while it samples. --samples=N also writes the completions of the first N
+problems with their references and rewards, one JSON line each, to <out>.samples.jsonl.
+Same error convention as train.py.
 A run trained with rl.prune also gets qmaj@k: maj@k with each vote weighted by its rollout
 quality head's P(correct) (docs/pruning.md).
 """
 
+import hashlib
 import json
 import os
+import re
 
 from dsparse_jax.config import cli
 
@@ -63,6 +68,14 @@ def _policies(ctx, args):
     )
 
 
+def data_tag(source: str) -> str:
+    """A file-name tag of a data source: its file or directory name and a short hash of the
+    whole source ("parquet:/data/gsm8k/test.parquet" -> "test-1a2b3c")."""
+    name = os.path.splitext(os.path.basename(source.split(":", 1)[-1].rstrip("/")))[0]
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", name) or "data"
+    return f"{name}-{hashlib.sha1(source.encode()).hexdigest()[:6]}"
+
+
 def table(results: dict) -> str:
     """The policies x metrics table printed at the end."""
     keys = list(next(iter(results.values())))
@@ -80,7 +93,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--step", type=int, default=None, help="--workdir: this checkpoint step")
     p.add_argument("--k", type=int, default=None, help="samples per problem (eval.mean_at_k)")
     p.add_argument("--out", default=None, help="JSON output path")
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=0,
+        help="write the completions of this many problems to <out>.samples.jsonl",
+    )
     args = p.parse_args(rest)
+    if args.samples < 0:
+        raise cli.UserError(f"--samples: must be >= 0, got {args.samples}")
     if args.checkpoint and not os.path.isdir(args.checkpoint):
         raise cli.UserError(f"--checkpoint: no such directory {args.checkpoint!r}")
     if args.workdir and not os.path.isdir(args.workdir):
@@ -119,26 +140,34 @@ def main(argv: list[str]) -> int:
                 lora_scale=scale,
                 spec=spec,
                 on_batch=tick,
+                keep=args.samples,
                 **head,
             )
         progress.close()
     finally:
         ctx.rewarder.close()
+    kept = {name: m.pop("samples", []) for name, m in results.items()}
+    data = config.data.eval_source or config.data.source
     report = {
         "source": source,
-        "data": config.data.eval_source or config.data.source,
+        "data": data,
         "num_problems": len(ctx.evaluator.problems),
         "k": k,
         "temperature": config.rl.temperature,
         "policies": results,
     }
     out = args.out or (
-        os.path.join(args.workdir, f"eval_{source.replace(' ', '_')}.json")
+        os.path.join(args.workdir, f"eval_{source.replace(' ', '_')}_{data_tag(data)}.json")
         if args.workdir
-        else os.path.join(args.checkpoint, "eval.json")
+        else os.path.join(args.checkpoint, f"eval_{data_tag(data)}.json")
     )
     with open(out, "w") as f:
         json.dump(report, f, indent=2)
+    if args.samples:
+        with open(out.removesuffix(".json") + ".samples.jsonl", "w") as f:
+            for name, rows in kept.items():
+                for row in rows:
+                    f.write(json.dumps({"policy": name, **row}) + "\n")
     print(f"[eval] {source}: {report['num_problems']} problems of {report['data']}, k={k}")
     print(table(results))
     print(f"[eval] wrote {out}")

@@ -2,6 +2,7 @@
 match the run's own final evaluation, the export reloads in transformers (and peft) with
 the trained run's logits, and the exported checkpoint evaluates like the run."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -58,7 +59,7 @@ def test_k_sample_metrics():
 @pytest.mark.slow
 def test_evaluate_a_workdir_matches_the_runs_final_eval(workdir, tmp_path):
     out = str(tmp_path / "eval.json")
-    res = _run("evaluate.py", f"--workdir={workdir}", f"--out={out}")
+    res = _run("evaluate.py", f"--workdir={workdir}", f"--out={out}", "--samples=2")
     assert res.returncode == 0, res.stderr[-3000:]
     with open(out) as f:
         report = json.load(f)
@@ -74,6 +75,16 @@ def test_evaluate_a_workdir_matches_the_runs_final_eval(workdir, tmp_path):
     assert sparse["greedy_accuracy"] == final["sparse_greedy_accuracy"]
     assert "policy" in res.stdout and "sparse_actor" in res.stdout  # the table
     assert "[eval]" in res.stderr  # the progress line
+    # --samples=2: the completions of problems 0 and 1, greedy and the K samples, per policy
+    with open(str(tmp_path / "eval.samples.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == 2 * 2 * (1 + K)
+    assert {(r["policy"], r["problem"]) for r in rows} == {
+        (p, i) for p in ("dense", "sparse_actor") for i in (0, 1)
+    }
+    for r in rows:  # each reward is the grader's for that completion
+        assert r["reward"] == graders.reward(r["completion"], r["reference"])
+    assert [r["decoding"] for r in rows[: 2 * (1 + K)]] == ["greedy"] * 2 + ["sample_t1"] * 2 * K
 
 
 @pytest.mark.slow
@@ -134,11 +145,25 @@ def test_evaluate_an_exported_checkpoint(workdir, tmp_path):
         "--k=0",
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    with open(os.path.join(out, "eval.json")) as f:
+    (name,) = [f for f in os.listdir(out) if f.startswith("eval_") and f.endswith(".json")]
+    with open(os.path.join(out, name)) as f:
         report = json.load(f)
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         final = [r for r in map(json.loads, f) if r["phase"] == "eval"][-1]
     assert report["policies"]["dense"]["greedy_accuracy"] == final["greedy_accuracy"]
+
+
+def test_eval_files_are_named_by_their_data():
+    spec = importlib.util.spec_from_file_location(
+        "evaluate", os.path.join(ROOT, "launch", "evaluate.py")
+    )
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+    a = evaluate.data_tag("parquet:/data/gsm8k/test.parquet")
+    b = evaluate.data_tag("parquet:/data/math/test.parquet")
+    assert a.startswith("test-") and b.startswith("test-") and a != b
+    assert evaluate.data_tag("synthetic:chain").startswith("chain-")
+    assert evaluate.data_tag("hf_disk:/data/gsm8k_dd/").startswith("gsm8k_dd-")
 
 
 def test_transformers_caveats():

@@ -114,13 +114,17 @@ class Evaluator:
         head=None,
         head_layer: int = -1,
         head_position: int = 0,
+        keep: int = 0,
     ) -> dict:
         """greedy_accuracy, and with k > 0 mean@k, maj@k and pass@k of one policy; with a
         quality head also qmaj@k (votes weighted by the head's score of each sample's
-        first head_position completion tokens, read at head_layer)."""
+        first head_position completion tokens, read at head_layer). keep = N: also
+        "samples", the completions of the first N problems with their prompts, reference
+        answers and rewards (greedy, then the k samples)."""
         kw = dict(lora=lora, lora_scale=lora_scale, spec=spec, on_batch=on_batch)
-        _, greedy = self.samples(params, self.sampling_config(0.0), jax.random.key(0), **kw)
+        g_texts, greedy = self.samples(params, self.sampling_config(0.0), jax.random.key(0), **kw)
         out = {"greedy_accuracy": float(np.mean(graders.is_correct(greedy)))}
+        kept = self._kept(g_texts, greedy, keep, "greedy")
         if k:
             scfg = self.sampling_config(temperature, k)
             weights = None
@@ -152,7 +156,25 @@ class Evaluator:
             )
             if weights is not None:
                 out[f"qmaj_at_{k}"] = maj_at_k(answers, correct, weights)
+            kept += self._kept(texts, r, keep, f"sample_t{temperature:g}")
+        if keep:
+            out["samples"] = kept
         return out
+
+    def _kept(self, texts_PxK, rewards_PxK, n: int, how: str) -> list[dict]:
+        """The completions of the first n problems as records (report's keep)."""
+        return [
+            {
+                "problem": i,
+                "decoding": how,
+                "prompt": p.prompt,
+                "reference": p.ground_truth or p.answer,
+                "completion": t,
+                "reward": float(r),
+            }
+            for i, p in enumerate(self.problems[:n])
+            for t, r in zip(texts_PxK[i], np.asarray(rewards_PxK)[i])
+        ]
 
     def quality_scores(
         self, params, head, rollout, *, layer, position, spec, lora=None, lora_scale=1.0
