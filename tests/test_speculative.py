@@ -217,7 +217,7 @@ def test_draft_head_modes_agree(model, trained_head):
     tokens = jnp.asarray(np.random.default_rng(4).integers(2, VOCAB, (2, 12)))
     logits, hiddens = policy.forward(tokens, hidden_at=head.layers)
     want = draft_head.teacher_forced_logits(
-        head, hiddens, policy.embed_tokens(tokens), policy.embed[...]
+        head, hiddens, policy.embed_tokens(tokens), policy.unembedding()
     )
     g = head.feature(hiddens)
     cache = head.init_cache(2, 16)
@@ -237,7 +237,7 @@ def test_draft_head_modes_agree(model, trained_head):
             cache=cache,
             pos_B=jnp.array([t, t]),
         )
-        got = head.logits(h[:, 0], policy.embed[...])
+        got = head.logits(h[:, 0], policy.unembedding())
         np.testing.assert_allclose(np.asarray(got), np.asarray(want[:, t]), atol=1e-5)
 
 

@@ -29,6 +29,12 @@ MODEL_FIELDS = {
     "final_softcap": float,
     "qk_norm": bool,
     "norm_eps": float,
+    "family": str,
+    "tie_embeddings": bool,
+    "rope_type": str,
+    "rope_low_freq_factor": float,
+    "rope_high_freq_factor": float,
+    "rope_original_max_len": int,
     "param_dtype": str,
     "dtype": str,
 }

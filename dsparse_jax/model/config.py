@@ -1,6 +1,7 @@
 """Model shapes: one frozen dataclass, with presets for the tiny CPU model and real Gemmas.
 
-Only shapes and architecture switches live here; weights are loaded elsewhere.
+Only shapes and architecture switches live here (the conventions of each architecture
+family are model/families.py); weights are loaded elsewhere.
 """
 
 from __future__ import annotations
@@ -8,12 +9,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from dsparse_jax.model.families import FAMILIES, Family
+
 LayerKind = Literal["global", "local"]
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Gemma 2/3 style decoder-only transformer."""
+    """Architecture of a decoder-only transformer of one family (model/families.py)."""
 
     vocab_size: int
     d_model: int
@@ -32,8 +35,17 @@ class ModelConfig:
     query_scale: float | None = None  # multiplies q; None -> head_dim ** -0.5
     attn_softcap: float | None = None  # Gemma 2: 50.0
     final_softcap: float | None = None  # Gemma 2: 30.0
-    qk_norm: bool = False  # Gemma 3
+    qk_norm: bool = False  # Gemma 3, Qwen3
     norm_eps: float = 1e-6
+    # gemma2 | gemma3 | qwen2 | qwen3 | llama; "" (the presets): Gemma, 3 if qk_norm else 2.
+    family: str = ""
+    tie_embeddings: bool = True  # logits through the embedding; False: its own lm_head
+    # "linear": positions divided by rope_scale_global; "llama3": Llama 3.1's per-frequency
+    # scaling by rope_scale_global with the three fields below (global layers).
+    rope_type: str = "linear"
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype
 
@@ -65,6 +77,22 @@ class ModelConfig:
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in ("float32", "bfloat16"):
                 raise ValueError(f"ModelConfig.{name} must be float32 or bfloat16")
+        if self.family and self.family not in FAMILIES:
+            raise ValueError(f"ModelConfig.family {self.family!r} is not one of {sorted(FAMILIES)}")
+        arch = self.arch
+        if self.family and self.qk_norm != arch.qk_norm:
+            raise ValueError(f"ModelConfig.qk_norm must be {arch.qk_norm} for family {arch.name}")
+        if not arch.softcaps and (self.attn_softcap or self.final_softcap):
+            raise ValueError(f"ModelConfig.attn_softcap/final_softcap: family {arch.name} has none")
+        if not arch.local_layers and "local" in self.layer_pattern:
+            raise ValueError(
+                f"ModelConfig.layer_pattern: family {arch.name} has no sliding-window layers"
+            )
+        if self.rope_type not in arch.rope_types:
+            raise ValueError(
+                f"ModelConfig.rope_type {self.rope_type!r}: family {arch.name} uses "
+                f"{list(arch.rope_types)}"
+            )
 
     @property
     def group_size(self) -> int:
@@ -77,11 +105,24 @@ class ModelConfig:
     def layer_window(self, i: int) -> int | None:
         return self.sliding_window if self.layer_kind(i) == "local" else None
 
-    def layer_rope(self, i: int) -> tuple[float, float]:
-        """(base, scale factor) of layer i's RoPE."""
+    @property
+    def arch(self) -> Family:
+        """The family's conventions (the presets: Gemma 3 if qk_norm, else Gemma 2)."""
+        return FAMILIES[self.family or ("gemma3" if self.qk_norm else "gemma2")]
+
+    def layer_rope(self, i: int) -> tuple[float, float, tuple[float, float, int] | None]:
+        """(base, scale factor, llama3's (low, high, original length) or None) of layer i's
+        RoPE."""
         if self.layer_kind(i) == "local":
-            return self.rope_base_local, 1.0
-        return self.rope_base_global, self.rope_scale_global
+            return self.rope_base_local, 1.0, None
+        llama3 = None
+        if self.rope_type == "llama3":
+            llama3 = (
+                self.rope_low_freq_factor,
+                self.rope_high_freq_factor,
+                self.rope_original_max_len,
+            )
+        return self.rope_base_global, self.rope_scale_global, llama3
 
     @property
     def scale(self) -> float:

@@ -175,7 +175,7 @@ def _draft_head(ctx, x: DraftIn) -> DraftOut:
     head, model, cfg = ctx["head"], ctx["model"], ctx["cfg"]
     k, s = ctx["speculative_cfg"].draft_tokens, x.tokens.shape[1]
     cache, g_BxD = x.head
-    embed = model.embed[...]
+    embed = model.unembedding()
 
     def step(carry, j):
         tok_B, g_B, cache, key = carry
