@@ -59,7 +59,9 @@ def defaults() -> ml_collections.ConfigDict:
     # keeps the preset's value (config.json records the resolved values). layer_pattern is
     # a comma list of global | local, repeated to num_layers (e.g. "local,global").
     c.model = ml_collections.ConfigDict()
-    c.model.preset = "tiny"  # tiny | mini | gemma2_2b | gemma3_1b | gemma3_4b
+    # tiny | mini | gemma2_2b | gemma3_1b | gemma3_4b | qwen2_5_1_5b | qwen3_1_7b | qwen3_4b
+    # | llama3_2_1b | llama3_1_8b (model/config.py; the families: model/families.py)
+    c.model.preset = "tiny"
     for name, kind in MODEL_FIELDS.items():
         c.model[name] = ml_collections.FieldReference(None, field_type=kind)
     c.model.d_model = 128
@@ -67,8 +69,8 @@ def defaults() -> ml_collections.ConfigDict:
     c.model.mlp_dim = 512
     c.model.param_dtype = "float32"
     c.model.dtype = "float32"
-    # A Hugging Face Gemma 2/3 directory (config.json + *.safetensors): shapes and initial
-    # weights come from it (preset and shape fields ignored). "" -> random init from preset.
+    # A Hugging Face directory of any family (config.json + *.safetensors): shapes and
+    # initial weights come from it (preset and shape fields ignored). "" -> random init.
     c.model.checkpoint_dir = ""
 
     # Task data (docs/real_models.md): synthetic:chain (the embedded task, configured in

@@ -227,12 +227,85 @@ def gemma3_4b() -> ModelConfig:
     )
 
 
+def _qwen3(d_model: int, num_layers: int, num_heads: int, mlp_dim: int) -> ModelConfig:
+    """Qwen3 (base and instruct share shapes): head_dim 128, 8 KV heads, rope 1e6, tied
+    head below 8B."""
+    return ModelConfig(
+        vocab_size=151_936,
+        d_model=d_model,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=8,
+        head_dim=128,
+        mlp_dim=mlp_dim,
+        rope_base_global=1_000_000.0,
+        qk_norm=True,
+        family="qwen3",
+        tie_embeddings=True,
+    )
+
+
+def qwen3_1_7b() -> ModelConfig:
+    return _qwen3(2048, 28, 16, 6144)
+
+
+def qwen3_4b() -> ModelConfig:
+    """The paper's model (Qwen3-4B-Base): 36 layers, 32 query and 8 KV heads of 128."""
+    return _qwen3(2560, 36, 32, 9728)
+
+
+def qwen2_5_1_5b() -> ModelConfig:
+    return ModelConfig(
+        vocab_size=151_936,
+        d_model=1536,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+        head_dim=128,
+        mlp_dim=8960,
+        rope_base_global=1_000_000.0,
+        family="qwen2",
+        tie_embeddings=True,
+    )
+
+
+def _llama3(d_model, num_layers, mlp_dim, head_dim, factor, tied) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=128_256,
+        d_model=d_model,
+        num_layers=num_layers,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=head_dim,
+        mlp_dim=mlp_dim,
+        rope_base_global=500_000.0,
+        rope_scale_global=factor,
+        rope_type="llama3",
+        norm_eps=1e-5,
+        family="llama",
+        tie_embeddings=tied,
+    )
+
+
+def llama3_2_1b() -> ModelConfig:
+    return _llama3(2048, 16, 8192, 64, factor=32.0, tied=True)
+
+
+def llama3_1_8b() -> ModelConfig:
+    return _llama3(4096, 32, 14336, 128, factor=8.0, tied=False)
+
+
 PRESETS = {
     "tiny": tiny,
     "mini": mini,
     "gemma2_2b": gemma2_2b,
     "gemma3_1b": gemma3_1b,
     "gemma3_4b": gemma3_4b,
+    "qwen2_5_1_5b": qwen2_5_1_5b,
+    "qwen3_1_7b": qwen3_1_7b,
+    "qwen3_4b": qwen3_4b,
+    "llama3_2_1b": llama3_2_1b,
+    "llama3_1_8b": llama3_1_8b,
 }
 
 
