@@ -43,6 +43,39 @@ def test_sft_eta_is_an_upper_bound():
     assert "ETA 24m50s" in q.line(10, {})  # a loop that runs every step: a plain ETA
 
 
+def test_progress_stays_silent_while_the_loop_is_quick():
+    out = io.StringIO()
+    p = Progress("eval", 3, stream=out, after_s=60.0)
+    p.update(1, {})
+    assert out.getvalue() == ""
+    p.t0 -= 61.0  # a minute later: it reports
+    p.update(2, {})
+    assert " 2/3 " in out.getvalue()
+
+
+def test_a_long_evaluation_prints_progress(monkeypatch, capsys):
+    """Without a caller's on_batch, an evaluation longer than PROGRESS_AFTER_S prints a
+    line per batch (here the threshold is 0 s: every batch)."""
+    from test_modes import base_config
+
+    from dsparse_jax.config.validate import validate
+    from dsparse_jax.train import context, evaluation
+
+    c = base_config()
+    c.eval.num_problems = 3
+    validate(c)
+    ctx = context.build(c)
+    ev = evaluation.Evaluator(
+        ctx.sampler, ctx.tok, ctx.task, ctx.evaluator.problems, ctx.spec, batch_size=2
+    )
+    monkeypatch.setattr(evaluation, "PROGRESS_AFTER_S", 0.0)
+    capsys.readouterr()
+    ev.greedy(ctx.init_params)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[eval")]
+    assert [line.split("] ")[0] for line in lines] == ["[eval 3 problems x 1"] * 2
+    assert [line.split()[6] for line in lines] == ["1/2", "2/2"]
+
+
 def test_samples_jsonl_and_drop_after(tmp_path):
     w = MetricsWriter(str(tmp_path), tensorboard=False)
     for step in (1, 2, 3):
