@@ -295,6 +295,25 @@ def llama3_1_8b() -> ModelConfig:
     return _llama3(4096, 32, 14336, 128, factor=8.0, tied=False)
 
 
+def tiny_of(family: str, vocab_size: int) -> ModelConfig:
+    """A tiny random model (~0.2M parameters plus the embedding) of any family, for smoke
+    tests of the real-data path on CPU: 2 global layers, 4 query and 2 KV heads of 16."""
+    arch = FAMILIES[family]
+    return ModelConfig(
+        vocab_size=vocab_size,
+        d_model=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        mlp_dim=128,
+        rope_base_global=10_000.0,
+        qk_norm=arch.qk_norm,
+        family=family,
+        tie_embeddings=arch.tied,
+    )
+
+
 PRESETS = {
     "tiny": tiny,
     "mini": mini,
