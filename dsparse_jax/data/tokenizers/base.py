@@ -57,6 +57,11 @@ class Tokenizer:
         return self._sp.eos_id()
 
     @property
+    def stop_ids(self) -> frozenset[int]:
+        """The tokens that end a completion (the sampler's and decode's): eos."""
+        return frozenset({self.eos_id})
+
+    @property
     def processor(self) -> spm.SentencePieceProcessor:
         return self._sp
 
