@@ -3,6 +3,8 @@
 Special ids are the same for every model trained here: pad=0, unk=1, bos=2, eos=3.
 Text is not normalized (identity rule, no dummy prefix, whitespace kept), so
 `decode(encode(text)) == text` for any text made of characters the model knows.
+The batch helpers (`encode_batch`, `decode_batch`) are written over any tokenizer's
+`encode`, `decode` and `pad_id`: `hf.HFTokenizer` uses them too.
 """
 
 from __future__ import annotations
@@ -82,28 +84,8 @@ class Tokenizer:
         pad_to: int | None = None,
         pad_side: str = "right",
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Encodes and pads texts: returns ids int32 [B, L] and lengths int32 [B].
-
-        L is `pad_to` if given, else the longest encoding. `pad_side='right'` puts
-        the tokens at columns [0, len), 'left' at [L - len, L).
-        """
-        if pad_side not in ("right", "left"):
-            raise ValueError(f"pad_side must be 'right' or 'left', got {pad_side!r}")
-        if pad_to is not None and pad_to < 0:
-            raise ValueError(f"pad_to must be >= 0, got {pad_to}")
-        seqs = [self.encode(t, add_bos=add_bos, add_eos=add_eos) for t in texts]
-        lengths = np.array([len(s) for s in seqs], dtype=np.int32)
-        width = pad_to if pad_to is not None else int(lengths.max(initial=0))
-        for i, s in enumerate(seqs):
-            if len(s) > width:
-                raise ValueError(f"text {i} encodes to {len(s)} tokens, more than pad_to={width}")
-        ids = np.full((len(seqs), width), self.pad_id, dtype=np.int32)
-        for i, s in enumerate(seqs):
-            if s and pad_side == "right":
-                ids[i, : len(s)] = s
-            elif s:
-                ids[i, width - len(s) :] = s
-        return ids, lengths
+        """Encodes and pads texts: ids int32 [B, L] and lengths int32 [B] (`encode_batch`)."""
+        return encode_batch(self, texts, add_bos, add_eos, pad_to, pad_side)
 
     # -- decoding ------------------------------------------------------------
 
@@ -126,14 +108,7 @@ class Tokenizer:
         self, ids_2d: np.ndarray, lengths: Sequence[int] | np.ndarray | None = None
     ) -> list[str]:
         """Decodes each row; with `lengths`, row i is cut to `row[:lengths[i]]` first."""
-        rows = np.asarray(ids_2d)
-        if rows.ndim != 2:
-            raise ValueError(f"ids_2d must be 2-D, got shape {rows.shape}")
-        if lengths is not None and len(lengths) != rows.shape[0]:
-            raise ValueError(f"got {len(lengths)} lengths for {rows.shape[0]} rows")
-        if lengths is None:
-            return [self.decode(row) for row in rows]
-        return [self.decode(row[: int(n)]) for row, n in zip(rows, lengths)]
+        return decode_batch(self, ids_2d, lengths)
 
     # -- persistence ---------------------------------------------------------
 
@@ -195,6 +170,52 @@ class Tokenizer:
         except (RuntimeError, OSError) as e:
             raise ValueError(f"not a SentencePiece model proto: {e}") from e
         return cls(sp)
+
+
+def encode_batch(
+    tok,
+    texts: Sequence[str],
+    add_bos: bool = False,
+    add_eos: bool = False,
+    pad_to: int | None = None,
+    pad_side: str = "right",
+) -> tuple[np.ndarray, np.ndarray]:
+    """`tok`'s encodings of texts, padded with its pad_id: ids int32 [B, L], lengths [B].
+
+    L is `pad_to` if given, else the longest encoding. `pad_side='right'` puts
+    the tokens at columns [0, len), 'left' at [L - len, L).
+    """
+    if pad_side not in ("right", "left"):
+        raise ValueError(f"pad_side must be 'right' or 'left', got {pad_side!r}")
+    if pad_to is not None and pad_to < 0:
+        raise ValueError(f"pad_to must be >= 0, got {pad_to}")
+    seqs = [tok.encode(t, add_bos=add_bos, add_eos=add_eos) for t in texts]
+    lengths = np.array([len(s) for s in seqs], dtype=np.int32)
+    width = pad_to if pad_to is not None else int(lengths.max(initial=0))
+    for i, s in enumerate(seqs):
+        if len(s) > width:
+            raise ValueError(f"text {i} encodes to {len(s)} tokens, more than pad_to={width}")
+    ids = np.full((len(seqs), width), tok.pad_id, dtype=np.int32)
+    for i, s in enumerate(seqs):
+        if s and pad_side == "right":
+            ids[i, : len(s)] = s
+        elif s:
+            ids[i, width - len(s) :] = s
+    return ids, lengths
+
+
+def decode_batch(
+    tok, ids_2d: np.ndarray, lengths: Sequence[int] | np.ndarray | None = None
+) -> list[str]:
+    """`tok.decode` of each row; with `lengths`, row i is cut to `row[:lengths[i]]` first."""
+    rows = np.asarray(ids_2d)
+    if rows.ndim != 2:
+        raise ValueError(f"ids_2d must be 2-D, got shape {rows.shape}")
+    if lengths is not None and len(lengths) != rows.shape[0]:
+        raise ValueError(f"got {len(lengths)} lengths for {rows.shape[0]} rows")
+    if lengths is None:
+        return [tok.decode(row) for row in rows]
+    return [tok.decode(row[: int(n)]) for row, n in zip(rows, lengths)]
 
 
 def train_tokenizer(

@@ -95,6 +95,16 @@ class GemmaTokenizer(Tokenizer):
             ids.add(self.special[END_OF_TURN])
         return frozenset(ids)
 
+    def render_chat(self, messages: list[dict], chat: bool = True) -> str:
+        """The prompt of chat messages: Gemma turns (module `render_chat`)."""
+        return render_chat(messages, chat)
+
+    def math_prompt(
+        self, question: str, instruction: str = MATH_INSTRUCTION, chat: bool = True
+    ) -> str:
+        """Instruction + question as a prompt (module `math_prompt`)."""
+        return math_prompt(question, instruction, chat)
+
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         """Token ids; chat markers in the text become their single special ids."""
         ids = [self._sp.bos_id()] if add_bos else []
