@@ -13,12 +13,13 @@ import shutil
 import sys
 import types
 
+import numpy as np
 import pytest
 
 transformers = pytest.importorskip("transformers", reason="requirements-hf.txt not installed")
 tk = pytest.importorskip("tokenizers", reason="requirements-hf.txt not installed")
 
-from dsparse_jax.data import batches, sources  # noqa: E402
+from dsparse_jax.data import batches, math_task, sources  # noqa: E402
 from dsparse_jax.data.task import Problem  # noqa: E402
 from dsparse_jax.data.tokenizers import gemma as gt  # noqa: E402
 from dsparse_jax.data.tokenizers import hf_files  # noqa: E402
@@ -375,3 +376,81 @@ def test_a_run_uses_the_checkpoint_tokenizer(tmp_path):
         assert ctx.evaluator.greedy(ctx.init_params) == 0.0
     finally:
         ctx.rewarder.close()
+
+
+# ------------------------------------------------------------------------------- export
+def test_export_copies_a_checkpoint_tokenizer(family, tmp_path):
+    name, d, tok, ref = family
+    files = tok.save_hf(tmp_path / "out")
+    present = sorted(f for f in os.listdir(d))
+    assert sorted(files) == present and "tokenizer.json" in files
+    back = reference(tmp_path / "out")
+    assert back.is_fast
+    for m in MESSAGES:
+        assert want_ids(back, m) == want_ids(ref, m)
+    again = load_tokenizer(tmp_path / "out")
+    assert again.stop_ids == tok.stop_ids and again.eos_id == tok.eos_id
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_sentencepiece_gemma_export_loads_fast(tmp_path, chat):
+    """Our Gemma SentencePiece tokenizer, exported: transformers' fast AutoTokenizer loads
+    it and its chat template gives the ids of our chat format; the slow one still loads;
+    our loader reads the export back (tokenizer.json) with the same prompt ids."""
+    tok = gt.GemmaTokenizer.from_bytes(
+        gt.train_gemma_like(SENTENCES, vocab_size=400).to_bytes(), chat=chat
+    )
+    out = tmp_path / "out"
+    files = tok.save_hf(out)
+    assert {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"} <= set(files)
+    fast = transformers.AutoTokenizer.from_pretrained(out)
+    slow = transformers.AutoTokenizer.from_pretrained(out, use_fast=False)
+    assert fast.is_fast and not slow.is_fast
+    for m in MESSAGES:
+        ours = tok.encode(tok.render_chat(m, chat), add_bos=True)
+        assert want_ids(fast, m) == ours
+        assert want_ids(slow, m) == ours
+    text = "  Natalia sold 48 clips.\n\nHow many?\t" + gt.START_OF_TURN + "ünï 😀"
+    assert fast.encode(text, add_special_tokens=False) == tok.encode(text)
+    assert fast.encode(text) == tok.encode(text, add_bos=True)
+    assert fast.decode(tok.encode(text)) == text
+    assert (fast.eos_token_id, fast.pad_token_id, fast.bos_token_id) == (
+        tok.eos_id,
+        tok.pad_id,
+        tok.bos_id,
+    )
+    with open(out / hf_files.GENERATION_CONFIG) as f:
+        assert json.load(f)["eos_token_id"] == sorted(tok.stop_ids)
+    back = load_tokenizer(out, chat=chat)
+    assert isinstance(back, HFTokenizer) and back.stop_ids == tok.stop_ids
+    assert back.eos_id == tok.eos_id
+    prompts = [tok.math_prompt("How many clips?", chat=chat)] + [
+        tok.render_chat(m, chat) for m in MESSAGES
+    ]
+    again = [back.math_prompt("How many clips?", chat=chat)] + [
+        back.render_chat(m, chat) for m in MESSAGES
+    ]
+    assert prompt_ids(back, again) == prompt_ids(tok, prompts)
+
+
+def test_char_tokenizer_export_loads_fast(tmp_path):
+    """The chain task's char tokenizer, exported: fast and slow transformers tokenizers
+    give our ids (unknown characters too), the chat template our prompts with BOS."""
+    task = math_task.ChainTaskConfig()
+    tok = math_task.build_tokenizer(task, 0)
+    tok.save_hf(tmp_path)
+    fast = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    slow = transformers.AutoTokenizer.from_pretrained(tmp_path, use_fast=False)
+    assert fast.is_fast
+    p = math_task.make_problem(task, "eval", 0, 0)
+    for text in (p.prompt + p.solution, "vars: QQ? é a\n\n b", ""):
+        assert fast.encode(text, add_special_tokens=False) == tok.encode(text), text
+        assert slow.encode(text, add_special_tokens=False) == tok.encode(text), text
+    assert fast.decode(tok.encode(p.prompt)) == p.prompt
+    user = [{"role": "user", "content": p.prompt}]
+    assert want_ids(fast, user) == tok.encode(p.prompt, add_bos=True)
+    assert (fast.eos_token_id, fast.pad_token_id) == (tok.eos_id, tok.pad_id)
+    assert np.array_equal(
+        batches.encode_prompts(tok, [p], 300)[0][0][: len(want_ids(fast, user))],
+        want_ids(fast, user),
+    )

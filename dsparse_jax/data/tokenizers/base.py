@@ -10,15 +10,34 @@ The batch helpers (`encode_batch`, `decode_batch`) are written over any tokenize
 from __future__ import annotations
 
 import io
-import json
 import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import sentencepiece as spm
 
+from dsparse_jax.data.tokenizers import hf_files
+
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 MODEL_TYPES = ("char", "bpe", "unigram")
+
+# The chat template written with a tokenizer whose prompts are plain text (this char
+# tokenizer, a Gemma base model): BOS, then the messages' contents, stripped, joined by
+# blank lines, then a newline; system messages first, merged into the first user
+# message. The Jinja twin of gemma.render_chat(messages, chat=False).
+PLAIN_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- set system = messages | selectattr('role', 'equalto', 'system')"
+    " | map(attribute='content') | join('\\n\\n') -%}"
+    "{%- set turns = messages | rejectattr('role', 'equalto', 'system') | list -%}"
+    "{%- set lead = system and (not turns or turns[0]['role'] != 'user') -%}"
+    "{%- if lead -%}{{ system | trim }}{{ '\\n\\n' if turns else '\\n' }}{%- endif -%}"
+    "{%- for m in turns -%}"
+    "{%- set c = system + '\\n\\n' + m['content'] if loop.first and system and not lead"
+    " else m['content'] -%}"
+    "{{ c | trim }}{{ '\\n' if loop.last else '\\n\\n' }}"
+    "{%- endfor -%}"
+)
 
 
 class Tokenizer:
@@ -117,32 +136,10 @@ class Tokenizer:
         return self._sp.serialized_model_proto()
 
     def save_hf(self, out_dir: str | os.PathLike) -> list[str]:
-        """tokenizer.model + tokenizer_config.json + special_tokens_map.json, loadable by
-        transformers' (slow, SentencePiece) GemmaTokenizer. Returns the files written."""
-        os.makedirs(out_dir, exist_ok=True)
-        self.save(os.path.join(out_dir, "tokenizer.model"))
-        special = {
-            "bos_token": self.id_to_piece(self.bos_id),
-            "eos_token": self.id_to_piece(self.eos_id),
-            "pad_token": self.id_to_piece(self.pad_id),
-            "unk_token": self.id_to_piece(self.unk_id),
-        }
-        config = {
-            "tokenizer_class": "GemmaTokenizer",
-            "add_bos_token": True,
-            "add_eos_token": False,
-            "clean_up_tokenization_spaces": False,
-            "model_max_length": 1_000_000,
-            "sp_model_kwargs": {},
-            **special,
-        }
-        for name, content in (
-            ("tokenizer_config.json", config),
-            ("special_tokens_map.json", special),
-        ):
-            with open(os.path.join(out_dir, name), "w") as f:
-                json.dump(content, f, indent=2)
-        return ["tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"]
+        """Hugging Face tokenizer files (tokenizer.json, tokenizer_config.json with a chat
+        template: prompts as plain text after BOS, tokenizer.model, generation_config.json),
+        loadable by transformers' AutoTokenizer, fast or slow. Returns the files written."""
+        return hf_files.write_sentencepiece(self, out_dir, PLAIN_TEMPLATE)
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the model proto to `path`, creating parent directories."""

@@ -158,7 +158,12 @@ class HFTokenizer:
         """Decodes each row; with `lengths`, row i is cut to `row[:lengths[i]]` first."""
         return decode_batch(self, ids_2d, lengths)
 
-    # -- loading -----------------------------------------------------------
+    # -- persistence ---------------------------------------------------------
+
+    def save_hf(self, out_dir: str | os.PathLike) -> list[str]:
+        """Copies the checkpoint's tokenizer files (hf_files.TOKENIZER_FILES, with
+        generation_config.json) to out_dir; their names."""
+        return hf_files.copy_files(self.directory, out_dir)
 
     @classmethod
     def load(cls, path: str | os.PathLike, chat: bool = True) -> HFTokenizer:
