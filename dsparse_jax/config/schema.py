@@ -93,11 +93,14 @@ def defaults() -> ml_collections.ConfigDict:
     c.data.split = "train"  # tfds splits
     c.data.eval_split = "test"
 
-    # Real data: Gemma's tokenizer.model ("" -> <model.checkpoint_dir>/tokenizer.model).
-    # The synthetic task always uses its own char tokenizer.
+    # Real data: the checkpoint's tokenizer ("" -> <model.checkpoint_dir>): a directory
+    # holding tokenizer.json (its chat template, generation_config.json's stop tokens; needs
+    # requirements-hf.txt), else tokenizer.model (Gemma's SentencePiece, Gemma turns), or
+    # one of those files (data/tokenizers/load.py). The synthetic task always uses its own
+    # char tokenizer.
     c.tokenizer = ml_collections.ConfigDict()
     c.tokenizer.path = ""
-    c.tokenizer.chat = True  # Gemma chat turns; generation stops at <end_of_turn>
+    c.tokenizer.chat = True  # prompts in the chat format; False: plain text (a base model)
 
     c.task = ml_collections.ConfigDict()
     c.task.num_vars = 8  # variables defined per problem (the lookups' targets)

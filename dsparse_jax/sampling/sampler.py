@@ -49,6 +49,9 @@ class SamplingConfig:
     # 0: decode over one cache buffer of prompt + max_new_tokens. N > 0: the buffer starts at
     # prompt + N tokens and doubles until it holds max_new_tokens (see buffer_schedule).
     grow_buffer_from: int = 0
+    # More tokens that end a row besides eos_id (a checkpoint's generation_config.json
+    # lists several: the tokenizer's stop_ids).
+    stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -373,7 +376,7 @@ class Sampler:
                     top[1].at[rows, write_pos_B].set(ids),
                 )
             rs["ncomp"] = rs["ncomp"] + (~done).astype(jnp.int32)
-            rs["done"] = done | (tok == cfg.eos_id)
+            rs["done"] = done | is_stop(tok, cfg)
             return rs
 
         rs = emit(rs, logits, jnp.int32(0), prompt_len_B)
@@ -503,6 +506,14 @@ class PruneRecord:
     scores: jax.Array  # f32 [B, C]: the head's P(reward = 1) when the row was scored
     scored: jax.Array  # bool [B, C]: the row was a group row scored at checkpoint c
     tokens_generated: jax.Array  # int32 []: completion tokens decoded, pruned rows' too
+
+
+def is_stop(tok: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """Where `tok` ends its row: eos_id or one of stop_ids."""
+    stop = tok == cfg.eos_id
+    for i in cfg.stop_ids:
+        stop = stop | (tok == i)
+    return stop
 
 
 def completion_view(rollout: Rollout, pad_id: int):
