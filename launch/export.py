@@ -5,8 +5,8 @@
 Writes, from the run's RL checkpoint (the newest, or --step; without RL checkpoints, the
 SFT warm start):
 
-  DIR/config.json, DIR/model.safetensors   theta, the dense policy, as a Gemma 2/3 causal
-                                           LM (sharded above 4 GiB, with an index)
+  DIR/config.json, DIR/model.safetensors   theta, the dense policy, as a causal LM of its
+                                           family (sharded above 4 GiB, with an index)
   DIR/tokenizer.json, tokenizer_config.json, the run's tokenizer for transformers'
   DIR/special_tokens_map.json,             AutoTokenizer, with its chat template and stop
   DIR/generation_config.json,              tokens: a checkpoint's tokenizer.json files

@@ -21,8 +21,8 @@ tk = pytest.importorskip("tokenizers", reason="requirements-hf.txt not installed
 
 from dsparse_jax.data import batches, math_task, sources  # noqa: E402
 from dsparse_jax.data.task import Problem  # noqa: E402
+from dsparse_jax.data.tokenizers import fit, hf_files  # noqa: E402
 from dsparse_jax.data.tokenizers import gemma as gt  # noqa: E402
-from dsparse_jax.data.tokenizers import hf_files  # noqa: E402
 from dsparse_jax.data.tokenizers.hf import HFTokenizer  # noqa: E402
 from dsparse_jax.data.tokenizers.load import kind_of, load_tokenizer  # noqa: E402
 
@@ -34,53 +34,8 @@ SENTENCES = [
     "system user assistant model 0123456789 +-*/=()[]{}.,;:?!$#%",
 ] * 5
 
-# The authors' templates, tool branches left out (Qwen2.5-Instruct, Qwen3, Llama 3 Instruct,
-# Gemma 3 IT: its whitespace control made explicit).
-QWEN2 = r"""
-{%- if messages[0]['role'] == 'system' %}
-    {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
-{%- else %}
-    {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
-{%- endif %}
-{%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant") %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-{%- endif %}
-"""
-QWEN3 = r"""
-{%- if messages[0].role == 'system' %}
-    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-{%- endif %}
-{%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {%- set content = message.content %}
-        {%- if '</think>' in content %}
-            {%- set content = content.split('</think>')[-1].lstrip('\n') %}
-        {%- endif %}
-        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>\n' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
-        {{- '<think>\n\n</think>\n\n' }}
-    {%- endif %}
-{%- endif %}
-"""
-LLAMA3 = (
-    "{% set loop_messages = messages %}{% for message in loop_messages %}"
-    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
-    "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
-    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
-    "{% endif %}"
-)
+QWEN2, QWEN3, LLAMA3 = fit.QWEN2_TEMPLATE, fit.QWEN3_TEMPLATE, fit.LLAMA3_TEMPLATE
+# Gemma 3 IT's template, its whitespace control made explicit.
 GEMMA3 = r"""{{- bos_token -}}
 {%- if messages[0]['role'] == 'system' -%}
     {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
