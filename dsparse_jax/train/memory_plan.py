@@ -210,10 +210,8 @@ def _decode_row_bytes(s: Settings, length: int) -> float:
     if s.sparse:
         keys = s.sparse.max_pages * s.page_size
         pages = length // s.page_size
-        sparse = (
-            cfg.num_kv_heads * (3 * pages + 2 * keys * cfg.head_dim) * F32
-            + 2 * cfg.num_heads * keys * F32
-        )
+        gathered = 2 * keys * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+        sparse = cfg.num_kv_heads * (3 * pages * F32 + gathered) + 2 * cfg.num_heads * keys * F32
     return DECODE_LOGIT_COPIES * cfg.vocab_size * F32 + max(dense, sparse) / _kv_split(s)
 
 
@@ -259,12 +257,12 @@ def _layer_token_bytes(s: Settings, i: int, spec: AttentionSpec, lora) -> float:
     if spec.sparse is not None and spec.is_sparse_layer(info):
         w = min(t, s.prompt_width)
         keys = spec.sparse.max_pages * s.page_size
-        head = w * w * SCORE_COPIES["full"]
+        head = w * w * SCORE_COPIES["full"] * F32
+        gathered = 2 * keys * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize  # its keys, values
         tail = (t - w) * (
-            keys * SCORE_COPIES["gathered"]
-            + 2 * keys * cfg.head_dim * cfg.num_kv_heads / cfg.num_heads
+            keys * SCORE_COPIES["gathered"] * F32 + gathered * cfg.num_kv_heads / cfg.num_heads
         )
-        scores = cfg.num_heads * (head + tail) / t
+        scores = cfg.num_heads * (head + tail) / t / F32
     else:
         keys, path = keys_per_query(t, info.window)
         scores = cfg.num_heads * keys * (SCORE_COPIES[path] + (cfg.attn_softcap is not None))
