@@ -378,7 +378,9 @@ class Plan:
         s, p = self.settings, self.parts
         mb_rows = s.prompts * s.kept // s.minibatches // s.microbatches
         phi = f", phi {fmt(p['phi'])}" if s.lora is not None else ""
-        acts = f"activations {fmt(p['activations'])} per microbatch of {mb_rows} rows"
+        acts = f"activations {fmt(p['activations'])} per microbatch of {_rows(mb_rows)}"
+        if s.batch_shards > 1:
+            acts += f" ({_rows(_rows_per_device(mb_rows, s))} per device)"
         if s.phi_trained:
             acts += f" (phi's {fmt(p['phi_activations'])})"
         peaks = ", ".join(f"{k} {fmt(v)}" for k, v in self.peaks.items())
@@ -386,8 +388,8 @@ class Plan:
             f"per device (mesh {'x'.join(map(str, s.mesh))}; limit {fmt(self.limit)} = "
             f"{HEADROOM} x {fmt(self.memory)} {self.source}): params {fmt(p['params'])}, "
             f"optimizer {fmt(p['optimizer'])}{phi}, rollout outputs {fmt(p['outputs'])} "
-            f"({s.rows} rows), KV cache {fmt(p['kv_chunk'])} per chunk of "
-            f"{self.chunk_rows} rows ({self.chunks} chunk{'s' * (self.chunks > 1)}), "
+            f"({_rows(s.rows)}), KV cache {fmt(p['kv_chunk'])} per chunk of "
+            f"{_rows(self.chunk_rows)} ({self.chunks} chunk{'s' * (self.chunks > 1)}), "
             f"{acts}; peaks: {peaks}"
         )
 
@@ -412,6 +414,10 @@ class Plan:
             if rows % m == 0 and rows // m * per_row <= room:
                 return f"config.rl.microbatches={m} would fit (estimated)"
         return f"one row per microbatch does not fit: shorten config.{s.length_field}"
+
+
+def _rows(n: float) -> str:
+    return f"{n:g} row{'s' * (n != 1)}"
 
 
 def fmt(b: float) -> str:
