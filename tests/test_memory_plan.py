@@ -252,6 +252,38 @@ def test_chunked_rollout_equals_unchunked(spec):
         np.testing.assert_allclose(part.top_logprobs[0], whole.top_logprobs[0], atol=1e-5)
 
 
+def test_chunked_rollout_on_a_mesh_equals_one_device():
+    """On a (2, 2, 2) mesh (tests/conftest.py's 8 CPU devices) each chunk of 2 prompts x 2
+    samples is split over the 4 batch shards and the KV heads over tensor; the rollout
+    comes back batch-sharded with the single device's tokens and page records."""
+    from dsparse_jax.parallel import sharding
+
+    sampler, state, lora = _chunk_setup()
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 8, 8)
+    prompts = np.where(np.arange(7) < lengths[:, None], rng.integers(2, 32, (8, 7)), 0)
+    cfg = SamplingConfig(30, 1, 0, samples_per_prompt=2)
+    one = jax.device_get(sampler(state, prompts, lengths, jax.random.key(2), cfg, SPARSE, lora))
+    plan = sharding.MeshPlan(sharding.make_mesh((2, 2, 2)))
+    with plan.active():
+        out = sampler(
+            plan.shard_state(state),
+            plan.global_batch(prompts.astype(np.int32)),
+            plan.global_batch(lengths.astype(np.int32)),
+            jax.random.key(2),
+            cfg,
+            SPARSE,
+            plan.shard_state(lora),
+            chunks=4,
+        )
+    assert out.tokens.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
+    out = jax.device_get(out)
+    np.testing.assert_array_equal(out.tokens, one.tokens)
+    for layer in one.page_ids:
+        np.testing.assert_array_equal(out.page_ids[layer], one.page_ids[layer])
+    np.testing.assert_allclose(out.logprobs, one.logprobs, rtol=0, atol=1e-5)
+
+
 def test_chunks_must_divide_the_prompts_and_pruning_is_not_chunked():
     sampler, state, _ = _chunk_setup()
     cfg = SamplingConfig(8, 1, 0)
