@@ -31,8 +31,10 @@ The rollout runs in sequential chunks of whole prompts (Sampler's `chunks`): `pl
 takes `rl.rollout_chunk_rows`, or the largest chunk whose rollout phase fits the
 device's memory (`device_memory`) with HEADROOM to spare, and raises a one-line
 UserError naming the config field to change when none does. Speculative and pruned
-rollouts are not chunked (their draws span the batch): their whole batch must fit. The
-update's estimate is a warning only (XLA on GPU / TPU fuses more than on CPU).
+rollouts are not chunked (their draws span the batch): their whole batch must fit
+(estimated as a plain rollout: the drafter's own state is not counted, nor are the
+quality and draft heads). The update's estimate is a warning only (XLA on GPU / TPU
+fuses more than on CPU).
 """
 
 from __future__ import annotations
@@ -131,10 +133,14 @@ def tree_bytes(tree, mesh: tuple[int, int, int] = (1, 1, 1)) -> int:
     if tree is None:
         return 0
     abstract = jax.sharding.AbstractMesh(tuple(mesh), sharding.AXES)
+    sizes = dict(zip(sharding.AXES, mesh))
     specs = sharding.state_specs(tree, abstract)
     total = 0
     for x, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=_is_spec)):
-        split = math.prod(sharding._axis_size(abstract, a) for a in spec)
+        axes = [
+            a for entry in spec if entry for a in (entry if isinstance(entry, tuple) else (entry,))
+        ]
+        split = math.prod(sizes[a] for a in axes)
         total += math.prod(x.shape) * jnp.dtype(x.dtype).itemsize // split
     return total
 
@@ -293,8 +299,7 @@ def rollout_program(s: Settings, params, lora, chunks: int) -> dict:
         cache += chunk * cache_row_bytes(s, sizes[-2])
     merged = 0
     if lora is not None and jnp.dtype(s.model.dtype) == jnp.float32:  # Transformer.merge_lora
-        adapted = {i: {n: None for n in maps} for i, maps in lora.items()}
-        merged = _adapted_bytes(params, adapted, s.mesh)
+        merged = tree_bytes(merged_weights(lora), s.mesh)
     carry = chunk * record_row_bytes(s) if chunks > 1 else 0  # chunks == 1: the outputs
     prompts = _rows_per_device(s.prompts, s) / chunks
     work = (
@@ -310,17 +315,16 @@ def rollout_program(s: Settings, params, lora, chunks: int) -> dict:
     }
 
 
-def _adapted_bytes(params, adapted: dict, mesh) -> int:
-    """f32 bytes per device of the weights a LoRA tree adapts (their merged copies)."""
-    flat = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
-    total = 0
-    for i, maps in adapted.items():
-        block = flat["layers"][int(i)]
-        for name in maps:
-            w = (block["attn"] if name in ("q", "k", "v", "o") else block["mlp"])[name]
-            w32 = jax.ShapeDtypeStruct(w.shape, jnp.float32)
-            total += tree_bytes({name: w32}, mesh)
-    return total
+def merged_weights(lora) -> dict:
+    """The f32 weights W + A.B that a LoRA tree's pairs make (their shapes: A's input
+    dims, B's output dims), named like their maps so the weights' rules split them."""
+    return {
+        i: {
+            name: jax.ShapeDtypeStruct(ab["a"].shape[:-1] + ab["b"].shape[1:], jnp.float32)
+            for name, ab in maps.items()
+        }
+        for i, maps in lora.items()
+    }
 
 
 def update_program(s: Settings, params, opt_state, rows: int, spec: AttentionSpec) -> dict:
