@@ -153,6 +153,10 @@ def defaults() -> ml_collections.ConfigDict:
     # + N tokens and double (a decode step then costs O(position); one compile per buffer,
     # peak 1.5x the cache at the last growth; sampling/sampler.py buffer_schedule).
     c.rl.grow_buffer_from = 0
+    # The rollout in sequential chunks of this many rows (whole prompts' M samples each;
+    # the outputs are the same): 0 = automatic, the fewest chunks whose rollout fits the
+    # device's memory (train/memory_plan.py, docs/scaling.md "Device memory").
+    c.rl.rollout_chunk_rows = 0
     c.rl.learning_rate = 1e-4  # theta's peak learning rate (Adam)
     # theta's schedule, in RL steps (each rl.minibatches optimizer steps; train/rl_state.py
     # optimizer_steps_per_rl_step): a linear warmup (a fraction allowed, rounded to whole
@@ -293,6 +297,9 @@ def defaults() -> ml_collections.ConfigDict:
     c.mesh.data = 1
     c.mesh.fsdp = 1
     c.mesh.tensor = 1
+    # Memory of one device (GB) the memory plan fits the step into; 0 = the device's own
+    # (its allocator's bytes_limit; CPU: the host's RAM over its local devices).
+    c.mesh.device_memory_gb = 0.0
     # Multi-host (jax.distributed.initialize): auto (when a coordinator is given, or on a
     # multi-host TPU slice, which discovers its peers) | on | off. GPU nodes: coordinator
     # host:port, process count and id here or in JAX_COORDINATOR_ADDRESS,

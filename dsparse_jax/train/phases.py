@@ -309,7 +309,15 @@ def rollout(
         )
         return Generated(batch_problems, r, record), {}
     r = ctx.sampler(
-        st.theta.params, prompts, lengths, key, scfg, setup.rollout_spec, st.lora, setup.lora_scale
+        st.theta.params,
+        prompts,
+        lengths,
+        key,
+        scfg,
+        setup.rollout_spec,
+        st.lora,
+        setup.lora_scale,
+        chunks=setup.rollout_chunks,
     )
     return Generated(batch_problems, r), {}
 
