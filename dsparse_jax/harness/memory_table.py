@@ -3,41 +3,31 @@
 
     python -m dsparse_jax.harness.memory_table
 
-The setting (stated in docs/scaling.md): Qwen3-4B-Base shapes (36 global layers, d_model
-2560, 32 query and 8 KV heads of 128, MLP 9728, vocabulary 151936, tied embeddings,
-qk-norm, no soft-caps), bf16 weights and compute, AdamW (optax: its states in the
-parameters' dtype), DistillSparse (phi: LoRA rank 8 on all seven maps, trained, f32),
-prompts of 1024 tokens and 16384 generated, page 16, a sparse budget of 128 pages (2048
-tokens; the first 2 layers dense), 32 prompts x M = 16 samples, n = 8 kept, 4 minibatches
-of 64 rows, microbatches of one row per device. Each machine's mesh splits the weights
-over fsdp.
+The setting is configs/qwen3_4b_math.py's (stated in docs/scaling.md): Qwen3-4B-Base
+shapes (its preset), bf16 weights and compute, AdamW (optax: its states in the parameters'
+dtype), DistillSparse (phi: LoRA on all seven maps, trained, f32), its prompt width,
+generation length, page, sparse budget and dense layers, prompts x M samples, n kept,
+minibatches, and microbatches of one row per device. Each machine's mesh splits the
+weights over fsdp.
 """
 
 from __future__ import annotations
 
+import os
+
 import jax
 
 from dsparse_jax.attention.spec import AttentionSpec, SparseSpec
+from dsparse_jax.config import cli, schema
 from dsparse_jax.errors import UserError
-from dsparse_jax.model.config import ModelConfig
+from dsparse_jax.model.config import preset
 from dsparse_jax.model.lora import LoRAConfig, lora_shapes
 from dsparse_jax.train import memory_plan as mp
 from dsparse_jax.train import steps
 
-QWEN3_4B = ModelConfig(
-    vocab_size=151_936,
-    d_model=2560,
-    num_layers=36,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    mlp_dim=9728,
-    layer_pattern=("global",),
-    rope_base_global=1_000_000.0,
-    qk_norm=True,
-    param_dtype="bfloat16",
-    dtype="bfloat16",
-)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG = cli.load_config(os.path.join(ROOT, "configs", "qwen3_4b_math.py"))
+QWEN3_4B = preset(CONFIG.model.preset, **schema.model_overrides(CONFIG.model))
 
 # (name, memory per device in GB, mesh (data, fsdp, tensor))
 DEVICES = (
@@ -45,24 +35,26 @@ DEVICES = (
     ("2 x H200 (141 GB each)", 141, (1, 2, 1)),
     ("v5p-8 (4 chips x 95 GB)", 95, (1, 4, 1)),
 )
-KEPT_ROWS, MINIBATCHES = 32 * 8, 4
 
 
-def paper_settings(mesh, max_new_tokens: int = 16_384, prompts: int = 32) -> mp.Settings:
-    shards = mesh[0] * mesh[1]
+def paper_settings(mesh, max_new_tokens: int | None = None, prompts: int | None = None):
+    """configs/qwen3_4b_math.py's Settings on `mesh`, optionally shorter or fewer prompts."""
+    c, shards = CONFIG, mesh[0] * mesh[1]
+    prompts = prompts or c.rl.prompts_per_step
+    kept = prompts * c.rl.samples_per_prompt
     return mp.Settings(
         model=QWEN3_4B,
         prompts=prompts,
-        samples=16,
-        kept=8,
-        prompt_width=1024,
-        max_new_tokens=max_new_tokens,
-        page_size=16,
-        sparse=SparseSpec(budget=128, dense_layers=2),
-        lora=LoRAConfig(rank=8),
+        samples=c.rl.samples_generated,
+        kept=c.rl.samples_per_prompt,
+        prompt_width=c.data.max_prompt_tokens,
+        max_new_tokens=max_new_tokens or c.data.max_new_tokens,
+        page_size=c.attention.page_size,
+        sparse=SparseSpec(budget=c.sparse.budget, dense_layers=c.sparse.dense_layers),
+        lora=LoRAConfig(rank=c.lora.rank),
         phi_trained=True,
-        minibatches=MINIBATCHES,
-        microbatches=max(1, prompts * 8 // MINIBATCHES // shards),
+        minibatches=c.rl.minibatches,
+        microbatches=max(1, kept // c.rl.minibatches // shards),
         mesh=mesh,
     )
 
@@ -73,7 +65,7 @@ def _trees():
         1e-6, warmup_steps=1, total_steps=100, weight_decay=0.0, max_grad_norm=1.0
     )
     params = mp.abstract_params(QWEN3_4B)
-    lora = lora_shapes(QWEN3_4B, LoRAConfig(rank=8))
+    lora = lora_shapes(QWEN3_4B, LoRAConfig(rank=CONFIG.lora.rank))
     return params, jax.eval_shape(tx.init, params), lora, jax.eval_shape(tx.init, lora)
 
 
@@ -86,12 +78,15 @@ def _fits(s: mp.Settings, trees, memory: int, phase: str) -> bool:
 def longest_fit(mesh, memory: int, trees, phase: str) -> int:
     """The longest generation (a multiple of 1024 tokens) at which `phase` fits, the rest
     as the paper's (0: none)."""
-    fits = [k for k in range(1, 17) if _fits(paper_settings(mesh, 1024 * k), trees, memory, phase)]
+    top = CONFIG.data.max_new_tokens // 1024
+    fits = [
+        k for k in range(1, top + 1) if _fits(paper_settings(mesh, 1024 * k), trees, memory, phase)
+    ]
     return 1024 * max(fits, default=0)
 
 
 def main() -> None:
-    trees = _trees()
+    trees, P = _trees(), CONFIG.rl.prompts_per_step  # noqa: N806
     for name, gb, mesh in DEVICES:
         memory, source = int(gb * mp.GB), f"({name})"
         s = paper_settings(mesh)
@@ -114,12 +109,12 @@ def main() -> None:
         most = max(
             (
                 p
-                for p in range(1, 33)
-                if 32 % p == 0 and _fits(paper_settings(mesh, prompts=p), trees, memory, "rollout")
+                for p in range(1, P + 1)
+                if P % p == 0 and _fits(paper_settings(mesh, prompts=p), trees, memory, "rollout")
             ),
             default=0,
         )
-        print(f"most prompts per step whose rollout fits at 16384 tokens: {most}")
+        print(f"most prompts per step whose rollout fits at {s.max_new_tokens} tokens: {most}")
         longest = {p: longest_fit(mesh, memory, trees, p) for p in ("rollout", "update", "phi")}
         print(
             "longest generation that fits (tokens): "
