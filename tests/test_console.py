@@ -5,6 +5,7 @@ optional Weights & Biases mirror (offline)."""
 import io
 import json
 import os
+import time
 
 import pytest
 
@@ -102,3 +103,14 @@ def test_wandb_offline(tmp_path, monkeypatch):
     assert len(runs) == 1
     files = os.listdir(tmp_path / "wandb" / runs[0])
     assert any(f.endswith(".wandb") for f in files)
+
+
+def test_a_long_phase_says_it_is_still_running(capsys):
+    from dsparse_jax.train import phases
+
+    with phases.still_running("rl step 3 rollout", after_s=0.2, every_s=0.2):
+        time.sleep(0.7)
+    with phases.still_running("rl step 3 score", after_s=5.0):
+        pass  # quick: silent
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) >= 2 and all(x.startswith("[rl step 3 rollout] running, ") for x in lines)

@@ -181,7 +181,7 @@ def warm_start_phi(ctx: RunContext, setup: RLSetup, st: TrainState, writer) -> T
     progress = Progress("phi_warmup", total, every=ctx.config.log.every)
     key = jax.random.key(ctx.config.seed + 7)
     for i in range(total):
-        log = phases.PhaseLog()
+        log = phases.PhaseLog("phi_warmup")
         phi.phi = log.run(
             "phi_warmup", phases.warmup_phi, ctx, warm, phi, jax.random.fold_in(key, i), i
         )
