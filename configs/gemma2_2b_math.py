@@ -3,7 +3,7 @@ with the paper's settings (page 16, 32-page budget, first 2 layers dense, n = 8,
 lr 1e-6, clip 0.2 / 0.28, bf16, mesh data=-1; see configs/gemma3_1b_gsm8k.py), 2048
 generated tokens.
 
-  CKPT=/data/gemma-2-2b-it      # config.json, *.safetensors, tokenizer.model (HF format)
+  CKPT=/data/gemma-2-2b-it      # config.json, *.safetensors, tokenizer files (HF format)
   DATA=/data/math               # train.parquet / test.parquet: {"problem", "solution"}
 
 GPU node:

@@ -5,7 +5,7 @@ layers dense, n = 8 kept of M = 16 rollouts per prompt, lr 1e-6, clip 0.2 / 0.28
 No SFT warm start: RL starts from the checkpoint. Data and weights are local files
 (nothing is downloaded at run time; docs/real_models.md says how to prepare them):
 
-  CKPT=/data/gemma-3-1b-it      # config.json, *.safetensors, tokenizer.model (HF format)
+  CKPT=/data/gemma-3-1b-it      # config.json, *.safetensors, tokenizer files (HF format)
   DATA=/data/gsm8k              # train.jsonl / test.jsonl: {"question", "answer": "... #### N"}
 
 GPU node (one H100/H200):

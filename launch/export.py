@@ -5,9 +5,13 @@
 Writes, from the run's RL checkpoint (the newest, or --step; without RL checkpoints, the
 SFT warm start):
 
-  DIR/config.json, DIR/model.safetensors   theta, the dense policy, as a Gemma 2/3 causal
-                                           LM (sharded above 4 GiB, with an index)
-  DIR/tokenizer.model, tokenizer_config.json, special_tokens_map.json
+  DIR/config.json, DIR/model.safetensors   theta, the dense policy, as a causal LM of its
+                                           family (sharded above 4 GiB, with an index)
+  DIR/tokenizer.json, tokenizer_config.json, the run's tokenizer for transformers'
+  DIR/special_tokens_map.json,             AutoTokenizer, with its chat template and stop
+  DIR/generation_config.json,              tokens: a checkpoint's tokenizer.json files
+  DIR/tokenizer.model (SentencePiece)      copied, a SentencePiece model converted (fast
+                                           and slow; needs requirements-hf.txt)
   DIR/phi_adapter/adapter_config.json,     phi, the sparse actor's LoRA, as a PEFT
   DIR/phi_adapter/adapter_model.safetensors adapter for the base in DIR (modes with phi)
   DIR/draft_head/draft_head.safetensors,   the learned draft head (rl.draft=draft_head
@@ -60,7 +64,10 @@ def main(argv: list[str]) -> int:
     hf = hf_checkpoint.hf_config_from(ctx.model_cfg)
     hf.update(pad_token_id=ctx.tok.pad_id, eos_token_id=ctx.tok.eos_id, bos_token_id=ctx.tok.bos_id)
     files = hf_checkpoint.export(args.out, t.params, ctx.model_cfg, dtype=dtype, hf_config=hf)
-    files += ctx.tok.save_hf(args.out)
+    try:
+        files += ctx.tok.save_hf(args.out)
+    except ImportError as e:  # transformers missing: one line naming requirements-hf.txt
+        raise cli.UserError(f"the tokenizer: {e}") from e
     if t.lora is not None:
         adapter = hf_checkpoint.export_lora_adapter(
             os.path.join(args.out, ADAPTER_DIR),

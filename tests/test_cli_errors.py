@@ -121,6 +121,17 @@ CASES = [
     ),
     ("bad_mesh", ["--config.mesh.data=3"], "config.mesh.data"),
     (
+        "chunk_of_part_of_a_group",
+        ["--config.rl.rollout_chunk_rows=4"],
+        "config.rl.rollout_chunk_rows: must be 0 (automatic) or a multiple of the 8 samples",
+    ),
+    (
+        # the memory plan, before the SFT warm start: no rollout chunk fits 1 MB
+        "rollout_does_not_fit",
+        ["--config.mesh.device_memory_gb=0.001", "--config.rl.rollout_chunk_rows=0"],
+        "config.mesh.fsdp: the rollout needs",
+    ),
+    (
         "prune_in_speculative",
         ["--config.rl.rollout_mode=speculative", "--config.rl.prune.enabled=true"],
         "config.rl.prune.enabled: must be false with rl.rollout_mode=speculative",

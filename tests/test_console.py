@@ -5,6 +5,7 @@ optional Weights & Biases mirror (offline)."""
 import io
 import json
 import os
+import time
 
 import pytest
 
@@ -41,6 +42,39 @@ def test_sft_eta_is_an_upper_bound():
     q = Progress("rl", 1500, stream=io.StringIO())
     q.t0 -= 10.0
     assert "ETA 24m50s" in q.line(10, {})  # a loop that runs every step: a plain ETA
+
+
+def test_progress_stays_silent_while_the_loop_is_quick():
+    out = io.StringIO()
+    p = Progress("eval", 3, stream=out, after_s=60.0)
+    p.update(1, {})
+    assert out.getvalue() == ""
+    p.t0 -= 61.0  # a minute later: it reports
+    p.update(2, {})
+    assert " 2/3 " in out.getvalue()
+
+
+def test_a_long_evaluation_prints_progress(monkeypatch, capsys):
+    """Without a caller's on_batch, an evaluation longer than PROGRESS_AFTER_S prints a
+    line per batch (here the threshold is 0 s: every batch)."""
+    from test_modes import base_config
+
+    from dsparse_jax.config.validate import validate
+    from dsparse_jax.train import context, evaluation
+
+    c = base_config()
+    c.eval.num_problems = 3
+    validate(c)
+    ctx = context.build(c)
+    ev = evaluation.Evaluator(
+        ctx.sampler, ctx.tok, ctx.task, ctx.evaluator.problems, ctx.spec, batch_size=2
+    )
+    monkeypatch.setattr(evaluation, "PROGRESS_AFTER_S", 0.0)
+    capsys.readouterr()
+    ev.greedy(ctx.init_params)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[eval")]
+    assert [line.split("] ")[0] for line in lines] == ["[eval 3 problems x 1"] * 2
+    assert [line.split()[6] for line in lines] == ["1/2", "2/2"]
 
 
 def test_samples_jsonl_and_drop_after(tmp_path):
@@ -82,3 +116,14 @@ def test_wandb_offline(tmp_path, monkeypatch):
     again.close()
     runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
     assert len(runs) == 2 and all(r.endswith("-" + run_id) for r in runs)
+
+
+def test_a_long_phase_says_it_is_still_running(capsys):
+    from dsparse_jax.train import phases
+
+    with phases.still_running("rl step 3 rollout", after_s=0.2, every_s=0.2):
+        time.sleep(0.7)
+    with phases.still_running("rl step 3 score", after_s=5.0):
+        pass  # quick: silent
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) >= 2 and all(x.startswith("[rl step 3 rollout] running, ") for x in lines)

@@ -82,7 +82,7 @@ def _step_errors(drafted, unrolled=draft_head.unrolled_logits):
     the unrolled step 0 against the teacher-forced logits at every position."""
     q_BxKxV, cur, seq, head, policy = drafted
     _, hiddens = policy.forward(seq, hidden_at=LAYERS)
-    emb, embed = policy.embed_tokens(seq), policy.embed[...]
+    emb, embed = policy.embed_tokens(seq), policy.unembedding()
     got = unrolled(head, hiddens, emb, embed, K)  # [K, B, S, V]
     tf = draft_head.teacher_forced_logits(head, hiddens, emb, embed)
     logp = np.asarray(jax.nn.log_softmax(got, axis=-1))

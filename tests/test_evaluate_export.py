@@ -119,9 +119,14 @@ def test_export_reloads_in_transformers_and_peft(workdir, tmp_path):
     with torch.no_grad():
         got = hf(input_ids=torch.as_tensor(tokens)).logits.numpy()
     assert np.abs(got - ours).max() <= 1e-4
-    hf_tok = transformers.AutoTokenizer.from_pretrained(out, use_fast=False)
     prompt = ctx.evaluator.problems[0].prompt
-    assert hf_tok.encode(prompt) == ctx.tok.encode(prompt, add_bos=True)
+    for use_fast in (False, True):  # the export carries tokenizer.json and a chat template
+        hf_tok = transformers.AutoTokenizer.from_pretrained(out, use_fast=use_fast)
+        assert hf_tok.is_fast == use_fast
+        assert hf_tok.encode(prompt) == ctx.tok.encode(prompt, add_bos=True)
+        user = [{"role": "user", "content": prompt}]
+        got = hf_tok.apply_chat_template(user, add_generation_prompt=True, tokenize=True)
+        assert list(got) == ctx.tok.encode(prompt, add_bos=True)
     peft = pytest.importorskip("peft", reason="peft not installed (requirements-hf.txt)")
     adapted = peft.PeftModel.from_pretrained(hf, os.path.join(out, "phi_adapter")).eval()
     with torch.no_grad():
@@ -134,6 +139,7 @@ def test_export_reloads_in_transformers_and_peft(workdir, tmp_path):
 
 @pytest.mark.slow
 def test_evaluate_an_exported_checkpoint(workdir, tmp_path):
+    pytest.importorskip("transformers", reason="export writes tokenizer.json with it")
     out = str(tmp_path / "export")
     assert _run("export.py", f"--workdir={workdir}", f"--out={out}").returncode == 0
     tiny_task = [a for a in TINY if a.startswith(("--config.task.", "--config.eval.num"))]

@@ -1,4 +1,5 @@
-"""Hugging Face Gemma 2 / Gemma 3 import and export against transformers' own forward.
+"""Hugging Face import and export of every family (Gemma 2/3, Qwen2.5, Qwen3, Llama 3)
+against transformers' own forward.
 
 Needs torch + transformers (requirements-hf.txt); skipped with the reason otherwise.
 Tiny random models are built with transformers on CPU, saved with save_pretrained,
@@ -80,7 +81,51 @@ def _gemma2(tmp_path):
     return transformers.Gemma2ForCausalLM(cfg).eval()
 
 
-BUILDERS = {"gemma3": _gemma3, "gemma2": _gemma2}
+_DECODER = dict(  # the shapes the Qwen / Llama builders share
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    attn_implementation="eager",
+)
+
+
+def _qwen2(tmp_path):
+    """Qwen2.5: q/k/v biases, an untied output head (the config's default)."""
+    cfg = transformers.Qwen2Config(**_DECODER, rope_theta=1000.0, tie_word_embeddings=False)
+    return transformers.Qwen2ForCausalLM(cfg).eval()
+
+
+def _qwen3(tmp_path):
+    """Qwen3: QK-norm, no biases, head_dim apart from hidden / heads, a tied head (4B)."""
+    cfg = transformers.Qwen3Config(
+        **_DECODER, head_dim=24, rope_theta=1e6, tie_word_embeddings=True
+    )
+    return transformers.Qwen3ForCausalLM(cfg).eval()
+
+
+def _llama(tmp_path):
+    """Llama 3.1: the llama3 RoPE scaling (small original length, so that all three
+    frequency bands occur at head_dim 16), an untied head."""
+    cfg = transformers.LlamaConfig(
+        **_DECODER,
+        rope_theta=500.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        tie_word_embeddings=False,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+BUILDERS = {"gemma3": _gemma3, "gemma2": _gemma2, "qwen2": _qwen2, "qwen3": _qwen3, "llama": _llama}
 
 
 def _hf_logits(model, tokens_BxT):
@@ -112,6 +157,7 @@ def test_config_from_hf(saved):
     kind, model, path = saved
     cfg = hfc.load_model_config(path)
     hf = model.config
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     assert (
         cfg.vocab_size,
         cfg.d_model,
@@ -126,9 +172,23 @@ def test_config_from_hf(saved):
         hf.num_hidden_layers,
         hf.num_attention_heads,
         hf.num_key_value_heads,
-        hf.head_dim,
+        head_dim,
         hf.intermediate_size,
     )
+    assert cfg.family == kind
+    assert cfg.tie_embeddings == hf.tie_word_embeddings
+    if kind in ("qwen2", "qwen3", "llama"):
+        assert cfg.layer_pattern == ("global",) and cfg.sliding_window is None
+        assert cfg.scale == pytest.approx(head_dim**-0.5)
+        assert cfg.qk_norm == (kind == "qwen3") and cfg.arch.qkv_bias == (kind == "qwen2")
+        assert cfg.rope_base_global == hf.rope_theta
+        if kind == "llama":
+            assert (cfg.rope_type, cfg.rope_scale_global, cfg.rope_original_max_len) == (
+                "llama3",
+                8.0,
+                32,
+            )
+        return
     kinds = ["local" if t == "sliding_attention" else "global" for t in hf.layer_types]
     assert [cfg.layer_kind(i) for i in range(cfg.num_layers)] == kinds
     assert cfg.sliding_window == hf.sliding_window
@@ -239,14 +299,22 @@ def test_mismatch_error_lists_every_problem(saved, tmp_path):
         hfc.hf_to_tree(hfc.read_tensors(path), cfg.replace(num_layers=cfg.num_layers + 1))
 
 
-def test_untied_lm_head_is_rejected(saved, tmp_path):
+def test_output_head_matches_tie_word_embeddings(saved, tmp_path):
     _, _, path = saved
     cfg = hfc.load_model_config(path)
     tensors = hfc.read_tensors(path)
+    if not cfg.tie_embeddings:  # untied: the head is read, and required
+        tree = hfc.hf_to_tree(tensors, cfg)
+        np.testing.assert_array_equal(tree["lm_head"], tensors["lm_head.weight"])
+        assert not np.array_equal(tree["lm_head"], tree["embed"])
+        del tensors["lm_head.weight"]
+        with pytest.raises(hfc.CheckpointMismatchError, match="missing: lm_head.weight"):
+            hfc.hf_to_tree(tensors, cfg)
+        return
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
-    hfc.hf_to_tree(tensors, cfg)  # tied copy: fine
+    assert "lm_head" not in hfc.hf_to_tree(tensors, cfg)  # tied copy: fine
     tensors["lm_head.weight"] = tensors["lm_head.weight"] + 1.0
-    with pytest.raises(hfc.CheckpointMismatchError, match="untied"):
+    with pytest.raises(hfc.CheckpointMismatchError, match="tie_word_embeddings is true"):
         hfc.hf_to_tree(tensors, cfg)
 
 
@@ -298,7 +366,11 @@ def test_transformers5_rope_parameters():
             {**hf, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}}
         )
     with pytest.raises(ValueError, match="model_type"):
-        hfc.model_config_from_hf({**hf, "model_type": "llama"})
+        hfc.model_config_from_hf({**hf, "model_type": "mistral"})
+    with pytest.raises(ValueError, match="rope_type 'llama3'.*gemma3"):
+        hfc.model_config_from_hf(
+            {**hf, "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1.0}}
+        )
 
 
 def test_gemma_tokenizer_matches_transformers(tmp_path):

@@ -440,8 +440,13 @@ def test_preset_layer_patterns():
     g2, g3, g34 = C.gemma2_2b(), C.gemma3_1b(), C.gemma3_4b()
     assert [g2.layer_window(i) for i in range(4)] == [4096, None, 4096, None]
     assert [g3.layer_kind(i) for i in range(12)] == (["local"] * 5 + ["global"]) * 2
-    assert g3.layer_rope(5) == (1_000_000.0, 1.0) and g3.layer_rope(0) == (10_000.0, 1.0)
-    assert g34.layer_rope(5) == (1_000_000.0, 8.0) and g34.layer_rope(4) == (10_000.0, 1.0)
+    assert g3.layer_rope(5) == (1_000_000.0, 1.0, None) and g3.layer_rope(0) == (
+        10_000.0,
+        1.0,
+        None,
+    )
+    assert g34.layer_rope(5) == (1_000_000.0, 8.0, None)
+    assert g34.layer_rope(4) == (10_000.0, 1.0, None)
     assert (g2.attn_softcap, g2.final_softcap) == (50.0, 30.0)
     assert g3.attn_softcap is None and g3.final_softcap is None and g3.qk_norm
     assert C.preset("gemma3_1b", vocab_size=99).vocab_size == 99
@@ -509,3 +514,24 @@ def test_sparse_layers_are_global_layers_past_dense_layers():
     mini = C.preset("mini")
     assert mini.num_kv_heads >= 2 and mini.group_size >= 2 and mini.num_layers >= 6
     assert set(mini.layer_pattern) == {"global"}
+
+
+def test_family_settings_are_checked():
+    """A family fixes its conventions: a contradicting ModelConfig is a one-line error."""
+    from dsparse_jax.model.config import ModelConfig
+
+    base = dict(
+        vocab_size=32, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, mlp_dim=32
+    )
+    assert ModelConfig(**base).arch.name == "gemma2"  # the presets: Gemma 2 without qk_norm
+    assert ModelConfig(**base, qk_norm=True).arch.name == "gemma3"
+    assert ModelConfig(**base, family="qwen3", qk_norm=True).arch.activation == "silu"
+    for bad, match in (
+        (dict(family="qwen3"), "qk_norm must be True"),
+        (dict(family="llama", final_softcap=30.0), "has none"),
+        (dict(family="qwen2", layer_pattern=("local",), sliding_window=4), "sliding-window"),
+        (dict(family="qwen2", rope_type="llama3"), "rope_type"),
+        (dict(family="mistral"), "family 'mistral'"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ModelConfig(**base, **bad)

@@ -7,6 +7,7 @@ tokens it produced. To stay fast the file uses one model graph, a few SamplingCo
 sampling frequencies within 5 binomial standard deviations (plus 2e-3).
 """
 
+import dataclasses
 import functools
 import math
 
@@ -120,6 +121,27 @@ def check_layout(r, cfg, prompts, lengths):
         assert np.all(r.logprobs[row][mask == 0] == 0)
         assert np.all(r.logprobs[row][mask == 1] <= 0)
     np.testing.assert_array_equal(r.lengths, r.prompt_lengths + r.completion_lengths)
+
+
+def test_stop_ids_end_rows_like_eos():
+    """SamplingConfig.stop_ids (a checkpoint's several stop tokens): a row ends at the first
+    of EOS or a stop id, the stop token its last; the rest of the rollout is unchanged."""
+    r, _ = rollout(GREEDY)
+    comp0 = r.tokens[0, LENGTHS[0] : LENGTHS[0] + r.completion_lengths[0]]
+    stop = int(comp0[len(comp0) // 2])  # greedy row 0 emits it mid-completion
+    assert stop not in (EOS, PAD)
+    cfg = dataclasses.replace(GREEDY, stop_ids=(stop,))
+    got, _ = rollout(cfg)
+    for b in range(6):
+        p, c = int(r.prompt_lengths[b]), int(r.completion_lengths[b])
+        comp = list(r.tokens[b, p : p + c])
+        ends = [j for j, t in enumerate(comp) if t in (EOS, stop)]
+        n = ends[0] + 1 if ends else c
+        assert int(got.completion_lengths[b]) == n, b
+        np.testing.assert_array_equal(got.tokens[b, : p + n], r.tokens[b, : p + n])
+        assert np.all(got.tokens[b, p + n :] == PAD)
+        np.testing.assert_allclose(got.logprobs[b, : p + n], r.logprobs[b, : p + n], atol=LP_TOL)
+    assert int(got.completion_lengths[0]) <= len(comp0) // 2 + 1 < int(r.completion_lengths[0])
 
 
 # ----------------------------------------------------------------------------- greedy

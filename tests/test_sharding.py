@@ -281,3 +281,40 @@ def test_distributed_settings(monkeypatch):
     c.mesh.distributed = "off"
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
     assert distributed.initialize(c) is False  # off wins over the environment
+
+
+def test_family_weights_follow_the_rules_on_mesh():
+    """Qwen2's q/k/v biases and an untied lm_head are sharded by the rules on (2, 2, 2), and
+    a forward on the mesh equals the single-device one (RTOL, ATOL)."""
+    from flax import nnx
+
+    from dsparse_jax.model.config import ModelConfig
+
+    cfg = ModelConfig(
+        vocab_size=64,
+        d_model=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        mlp_dim=64,
+        family="qwen2",
+        tie_embeddings=False,
+    )
+    graphdef, params = random_params(cfg, seed=3)
+    mesh = sharding.make_mesh((2, 2, 2))
+    plan = sharding.MeshPlan(mesh)
+    placed = plan.shard_state(params)
+    tree = nnx.to_pure_dict(placed)
+    assert tree["lm_head"].sharding.spec == P("tensor", "fsdp")
+    assert tree["layers"][0]["attn"]["q_bias"].sharding.spec == P("tensor")
+    assert tree["layers"][1]["attn"]["k_bias"].sharding.spec == P("tensor")
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (8, 12)), jnp.int32)
+
+    def forward(p, t):
+        return nnx.merge(graphdef, p).forward(t)
+
+    want = jax.jit(forward)(params, tokens)
+    with plan.active():
+        got = jax.jit(forward)(placed, plan.shard_batch(tokens))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=RTOL, atol=ATOL)

@@ -191,7 +191,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_real_configs_validate():
     from dsparse_jax.config.validate import validate
 
-    for name, budget, gen in (("gemma3_1b_gsm8k.py", 32, 1024), ("gemma2_2b_math.py", 32, 2048)):
+    for name, budget, gen in (
+        ("gemma3_1b_gsm8k.py", 32, 1024),
+        ("gemma2_2b_math.py", 32, 2048),
+        ("qwen3_4b_math.py", 32, 16384),
+    ):
         c = load_config(os.path.join(ROOT, "configs", name))
         validate(c)
         assert (c.attention.page_size, c.sparse.budget, c.sparse.dense_layers) == (16, budget, 2)
@@ -199,6 +203,9 @@ def test_real_configs_validate():
         assert (c.rl.learning_rate, c.rl.clip_low, c.rl.clip_high) == (1e-6, 0.2, 0.28)
         assert c.model.param_dtype == c.model.dtype == "bfloat16"
         assert not c.sft.enabled and c.data.max_new_tokens == gen
+        assert c.rl.kl_coef == 0.0
+    qwen = load_config(os.path.join(ROOT, "configs", "qwen3_4b_math.py"))
+    assert (qwen.model.preset, qwen.rl.prompts_per_step) == ("qwen3_4b", 32)
     default = load_config(os.path.join(ROOT, "configs", "gemma_math.py"))
     assert default.data.source == "synthetic:chain" and default.sft.enabled
     assert default.model.checkpoint_dir == ""

@@ -17,6 +17,7 @@
 One small all-global model (3 layers, 2 KV heads, layers 1-2 sparse on 4-token pages).
 """
 
+import dataclasses
 import itertools
 
 import jax
@@ -132,12 +133,17 @@ def test_greedy_equals_plain_greedy(model, trained_head, draft):
         lengths = np.asarray(plain.lengths)[::2]
         history = SP.History(jnp.asarray(rows[:, None]), jnp.asarray(lengths[:, None]))
     spec = SPARSE if draft == "sparse_self" else DENSE
+    # The history run names the stop token in stop_ids instead of eos_id (a checkpoint's
+    # several stop tokens): the speculative loop ends rows at either.
+    spec_cfg = cfg
+    if draft == "history":
+        spec_cfg = dataclasses.replace(cfg, eos_id=VOCAB + 1, stop_ids=(eos,))
     r, stats = SP.SpeculativeSampler(graphdef)(
         state,
         PROMPTS,
         LENGTHS,
         jax.random.key(0),
-        cfg,
+        spec_cfg,
         _speculative_cfg(draft),
         spec,
         phi,
@@ -159,6 +165,47 @@ def test_greedy_equals_plain_greedy(model, trained_head, draft):
         assert float(m["spec_accept_length"]) > 3.0
     if draft == "draft_head":  # it agrees with the policy's argmax on these rows (> 0.95)
         assert float(m["spec_accept_rate_1"]) > 0.9, m
+
+
+def test_stop_id_ends_a_row_inside_a_verify(model):
+    """A stop token of SamplingConfig.stop_ids emitted by a verify ends its row there, as
+    EOS does: the sampled rollout is the one without stop tokens, each row cut after its
+    first stop token (rows draw the same randomness whichever rows are done)."""
+    graphdef, state, phi = model
+    free = SamplingConfig(MAX_NEW, VOCAB + 1, PAD, temperature=1.0)  # no EOS
+    bank = Sampler(graphdef)(state, PROMPTS, LENGTHS, jax.random.key(1), free, DENSE)
+    history = SP.History(bank.tokens[:, None], bank.lengths[:, None])
+    spec = SP.SpeculativeSampler(graphdef)
+
+    def run(cfg):
+        r, _ = spec(
+            state,
+            PROMPTS,
+            LENGTHS,
+            jax.random.key(0),
+            cfg,
+            _speculative_cfg("history"),
+            DENSE,
+            phi,
+            history=history,
+        )
+        return jax.device_get(r)
+
+    full = run(free)
+    comps = [full.tokens[b, n : n + MAX_NEW] for b, n in enumerate(LENGTHS)]
+    # Row 0's token at completion position 5: no row emits it first.
+    stop = int(comps[0][5])
+    assert all(c[0] != stop for c in comps)
+    cut = run(dataclasses.replace(free, stop_ids=(stop,)))
+    ended = 0
+    for b, (n, c) in enumerate(zip(LENGTHS, comps)):
+        hits = np.flatnonzero(c == stop)
+        m = int(hits[0]) + 1 if len(hits) else MAX_NEW
+        ended += m < MAX_NEW
+        assert int(cut.completion_lengths[b]) == m, b
+        np.testing.assert_array_equal(cut.tokens[b, : n + m], full.tokens[b, : n + m])
+        assert np.all(cut.tokens[b, n + m :] == PAD)
+    assert ended >= 1 and int(cut.completion_lengths[0]) <= 6
 
 
 def test_draft_head_state_after_a_verify(model, trained_head):
@@ -217,7 +264,7 @@ def test_draft_head_modes_agree(model, trained_head):
     tokens = jnp.asarray(np.random.default_rng(4).integers(2, VOCAB, (2, 12)))
     logits, hiddens = policy.forward(tokens, hidden_at=head.layers)
     want = draft_head.teacher_forced_logits(
-        head, hiddens, policy.embed_tokens(tokens), policy.embed[...]
+        head, hiddens, policy.embed_tokens(tokens), policy.unembedding()
     )
     g = head.feature(hiddens)
     cache = head.init_cache(2, 16)
@@ -237,7 +284,7 @@ def test_draft_head_modes_agree(model, trained_head):
             cache=cache,
             pos_B=jnp.array([t, t]),
         )
-        got = head.logits(h[:, 0], policy.embed[...])
+        got = head.logits(h[:, 0], policy.unembedding())
         np.testing.assert_allclose(np.asarray(got), np.asarray(want[:, t]), atol=1e-5)
 
 

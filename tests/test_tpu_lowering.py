@@ -54,28 +54,36 @@ def test_decode_kernels_lower(h, g, budget):
         assert mosaic_calls(blocks, *shapes) == 1
 
 
-@pytest.mark.parametrize(
-    "h,g,budget,t", [(256, 4, 64, 8192), (128, 8, 16, 8192), (256, 2, 32, 2048)]
-)
-def test_training_kernel_forward_and_gradients_lower(h, g, budget, t):
-    kv = 2
+def training_loss_grads(layer, page):
+    """The gradients of a sum over the training kernel's output by q, k and v."""
 
     def loss_grads(q, k, v, ids, sq):
         f = lambda q, k, v: (
-            sparse_train.sparse_sequence_attention(q, k, v, LAYER, ids, sq, 16, interpret=False)
+            sparse_train.sparse_sequence_attention(q, k, v, layer, ids, sq, page, interpret=False)
             .astype(jnp.float32)
             .sum()
         )
         return jax.grad(f, (0, 1, 2))(q, k, v)
 
-    shapes = (
-        sds((1, t, kv * g, h), BF16),
-        sds((1, t, kv, h), BF16),
-        sds((1, t, kv, h), BF16),
-        sds((1, t, kv, budget), jnp.int32),
-        sds((1, t), bool),
+    return loss_grads
+
+
+def training_shapes(b, t, kv, g, h, budget):
+    return (
+        sds((b, t, kv * g, h), BF16),
+        sds((b, t, kv, h), BF16),
+        sds((b, t, kv, h), BF16),
+        sds((b, t, kv, budget), jnp.int32),
+        sds((b, t), bool),
     )
-    assert mosaic_calls(loss_grads, *shapes) == 3  # forward, dQ, dK/dV
+
+
+@pytest.mark.parametrize(
+    "h,g,budget,t", [(256, 4, 64, 8192), (128, 8, 16, 8192), (256, 2, 32, 2048)]
+)
+def test_training_kernel_forward_and_gradients_lower(h, g, budget, t):
+    shapes = training_shapes(1, t, 2, g, h, budget)
+    assert mosaic_calls(training_loss_grads(LAYER, 16), *shapes) == 3  # forward, dQ, dK/dV
 
 
 def gemma_like(num_layers=6):
@@ -150,6 +158,45 @@ def test_grpo_update_lowers_with_pallas_tpu():
     assert isinstance(tx, optax.GradientTransformation)
     fn = lambda st, os, mb: grpo_update(st, os, mb, graphdef=graphdef, tx=tx, settings=settings)
     assert mosaic_calls(fn, state, opt_state, batch) == 3
+
+
+def qwen3_4b_attention():
+    """(ModelConfig, AttentionSpec, generation length) of configs/qwen3_4b_math.py: head_dim
+    128, 32 query heads on 8 KV heads (GQA 4), its page and budget."""
+    import os
+
+    from dsparse_jax.config import schema
+    from dsparse_jax.config.cli import load_config
+    from dsparse_jax.model.config import preset
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    c = load_config(os.path.join(root, "configs", "qwen3_4b_math.py"))
+    cfg = preset(c.model.preset, **schema.model_overrides(c.model))
+    sparse = SparseSpec("centroid", budget=c.sparse.budget, dense_layers=c.sparse.dense_layers)
+    spec = AttentionSpec(impl="pallas_tpu", page_size=c.attention.page_size, sparse=sparse)
+    return cfg, spec, c.data.max_new_tokens + c.data.max_prompt_tokens
+
+
+def test_qwen3_4b_config_kernels_lower():
+    """The paper's config (configs/qwen3_4b_math.py): the decode kernels over its whole KV
+    cache and the training kernel (forward, dQ, dK/dV) over its full sequence lower."""
+    cfg, spec, seq = qwen3_4b_attention()
+    assert (cfg.head_dim, cfg.group_size, spec.sparse.budget, seq) == (128, 4, 32, 17408)
+    layer = LayerInfo(index=2, window=None, softcap=cfg.attn_softcap, scale=cfg.scale)
+    shapes = decode_shapes(4, cfg.num_kv_heads, cfg.group_size, cfg.head_dim, seq, 32)
+    for kernel in (paged_decode, sparse_decode):
+        fn = lambda *a, kernel=kernel: kernel.sparse_decode_attention(
+            *a, layer, spec.page_size, pages_per_step=8, interpret=False
+        )
+        assert mosaic_calls(fn, *shapes) == 1
+    kv, h, budget = cfg.num_kv_heads, cfg.head_dim, spec.sparse.budget
+    assert (
+        mosaic_calls(
+            training_loss_grads(layer, spec.page_size),
+            *training_shapes(1, seq, kv, cfg.group_size, h, budget),
+        )
+        == 3
+    )
 
 
 def test_config_rejects_page_sizes_the_kernels_cannot_tile():

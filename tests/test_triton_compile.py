@@ -30,6 +30,7 @@ LAUNCHES = [
     (jnp.bfloat16, 64, 1, 16, 8, 8, None),
     (jnp.bfloat16, 128, 4, 64, 8, 8, 50.0),
     (jnp.bfloat16, 256, 4, 32, 16, 1, None),  # Gemma 3 1B: 4 query heads, 1 KV head
+    (jnp.bfloat16, 128, 4, 32, 8, 8, None),  # Qwen3-4B (configs/qwen3_4b_math.py): 32 on 8
     (jnp.bfloat16, 256, 8, 128, 2, 4, 50.0),
     (jnp.float32, 128, 2, 32, 8, 8, None),
     (jnp.float32, 256, 8, 16, 64, 8, 50.0),

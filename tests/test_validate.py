@@ -56,6 +56,11 @@ CASES = [
     ("mesh.tensor", 0, "must be a positive integer"),
     ("rl.microbatches", 3, "must divide the minibatch size 32"),
     ("rl.prompts_per_step", 0, "must be a positive integer"),
+    # rollout chunks of whole prompts' samples that divide the rollout; device memory
+    ("rl.rollout_chunk_rows", 12, "must be 0 (automatic) or a multiple of the 8 samples"),
+    ("rl.rollout_chunk_rows", 24, "that divides the rollout's 64 rows"),
+    ("rl.rollout_chunk_rows", -8, "must be an integer >= 0"),
+    ("mesh.device_memory_gb", -1.0, "must be finite and >= 0"),
     # task, model, cache
     ("task.num_terms", 27, "must be <= task.num_vars"),
     ("task.num_vars", 27, "num_vars must be in [1, 26]"),
@@ -105,6 +110,12 @@ CONFLICTS = [
         "rl.selection",
         "acceptance keeps n of M > n samples",
     ),
+    ({**SPEC, "rl.rollout_chunk_rows": 16}, "rl.rollout_chunk_rows", "must be 0 with"),
+    (
+        {"rl.prune.enabled": True, "rl.rollout_chunk_rows": 16},
+        "rl.rollout_chunk_rows",
+        "their draws span the whole batch",
+    ),
     ({"rl.draft": "history"}, "rl.draft", "is read only with rl.rollout_mode=speculative"),
     ({"rl.draft": "draft_head", "rl.rollout_mode": "sparse"}, "rl.draft", "is read only"),
 ]
@@ -116,6 +127,8 @@ ALLOWED = [
     {**SPEC, "rl.is_correction": "tis"},  # a no-op on exact rollouts, harmless
     {"rl.rollout_mode": "dense", "rl.prune.enabled": True},
     {"rl.rollout_mode": "sparse", "rl.grow_buffer_from": 64},
+    {"rl.rollout_chunk_rows": 16, "rl.grow_buffer_from": 64},
+    {"rl.rollout_chunk_rows": 32, "rl.samples_generated": 16},  # 2 prompts' M = 16 rows
 ]
 
 

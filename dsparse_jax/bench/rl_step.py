@@ -45,11 +45,13 @@ def _sft_params(ctx, workdir):
 
 
 class _NoEos:
-    """The run's tokenizer with an EOS id no token has: rollouts run to the budget."""
+    """The run's tokenizer with an EOS id no token has and no other stop tokens: rollouts
+    run to the budget."""
 
     def __init__(self, tok):
         self._tok = tok
         self.eos_id = -1
+        self.stop_ids = frozenset({-1})
 
     def __getattr__(self, name):
         return getattr(self._tok, name)

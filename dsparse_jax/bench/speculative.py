@@ -278,7 +278,7 @@ def head_step_costs(model, head, batch, context, reps):
 
     def step(c):
         out, c = h(g, model.embed_tokens(tok), "decode", cache=c, pos_B=pos)
-        return h.logits(out[:, 0], model.embed[...]), c
+        return h.logits(out[:, 0], model.unembedding()), c
 
     out = {"head_draft_step_s": _time_donated(step, cache, reps)[0]}
     log(json.dumps(out))

@@ -29,6 +29,12 @@ MODEL_FIELDS = {
     "final_softcap": float,
     "qk_norm": bool,
     "norm_eps": float,
+    "family": str,
+    "tie_embeddings": bool,
+    "rope_type": str,
+    "rope_low_freq_factor": float,
+    "rope_high_freq_factor": float,
+    "rope_original_max_len": int,
     "param_dtype": str,
     "dtype": str,
 }
@@ -53,7 +59,9 @@ def defaults() -> ml_collections.ConfigDict:
     # keeps the preset's value (config.json records the resolved values). layer_pattern is
     # a comma list of global | local, repeated to num_layers (e.g. "local,global").
     c.model = ml_collections.ConfigDict()
-    c.model.preset = "tiny"  # tiny | mini | gemma2_2b | gemma3_1b | gemma3_4b
+    # tiny | mini | gemma2_2b | gemma3_1b | gemma3_4b | qwen2_5_1_5b | qwen3_1_7b | qwen3_4b
+    # | llama3_2_1b | llama3_1_8b (model/config.py; the families: model/families.py)
+    c.model.preset = "tiny"
     for name, kind in MODEL_FIELDS.items():
         c.model[name] = ml_collections.FieldReference(None, field_type=kind)
     c.model.d_model = 128
@@ -61,8 +69,8 @@ def defaults() -> ml_collections.ConfigDict:
     c.model.mlp_dim = 512
     c.model.param_dtype = "float32"
     c.model.dtype = "float32"
-    # A Hugging Face Gemma 2/3 directory (config.json + *.safetensors): shapes and initial
-    # weights come from it (preset and shape fields ignored). "" -> random init from preset.
+    # A Hugging Face directory of any family (config.json + *.safetensors): shapes and
+    # initial weights come from it (preset and shape fields ignored). "" -> random init.
     c.model.checkpoint_dir = ""
 
     # Task data (docs/real_models.md): synthetic:chain (the embedded task, configured in
@@ -85,11 +93,14 @@ def defaults() -> ml_collections.ConfigDict:
     c.data.split = "train"  # tfds splits
     c.data.eval_split = "test"
 
-    # Real data: Gemma's tokenizer.model ("" -> <model.checkpoint_dir>/tokenizer.model).
-    # The synthetic task always uses its own char tokenizer.
+    # Real data: the checkpoint's tokenizer ("" -> <model.checkpoint_dir>): a directory
+    # holding tokenizer.json (its chat template, generation_config.json's stop tokens; needs
+    # requirements-hf.txt), else tokenizer.model (Gemma's SentencePiece, Gemma turns), or
+    # one of those files (data/tokenizers/load.py). The synthetic task always uses its own
+    # char tokenizer.
     c.tokenizer = ml_collections.ConfigDict()
     c.tokenizer.path = ""
-    c.tokenizer.chat = True  # Gemma chat turns; generation stops at <end_of_turn>
+    c.tokenizer.chat = True  # prompts in the chat format; False: plain text (a base model)
 
     c.task = ml_collections.ConfigDict()
     c.task.num_vars = 8  # variables defined per problem (the lookups' targets)
@@ -148,6 +159,10 @@ def defaults() -> ml_collections.ConfigDict:
     # + N tokens and double (a decode step then costs O(position); one compile per buffer,
     # peak 1.5x the cache at the last growth; sampling/sampler.py buffer_schedule).
     c.rl.grow_buffer_from = 0
+    # The rollout in sequential chunks of this many rows (whole prompts' M samples each;
+    # the outputs are the same): 0 = automatic, the fewest chunks whose rollout fits the
+    # device's memory (train/memory_plan.py, docs/scaling.md "Device memory").
+    c.rl.rollout_chunk_rows = 0
     c.rl.learning_rate = 1e-4  # theta's peak learning rate (Adam)
     # theta's schedule, in RL steps (each rl.minibatches optimizer steps; train/rl_state.py
     # optimizer_steps_per_rl_step): a linear warmup (a fraction allowed, rounded to whole
@@ -288,6 +303,9 @@ def defaults() -> ml_collections.ConfigDict:
     c.mesh.data = 1
     c.mesh.fsdp = 1
     c.mesh.tensor = 1
+    # Memory of one device (GB) the memory plan fits the step into; 0 = the device's own
+    # (its allocator's bytes_limit; CPU: the host's RAM over its local devices).
+    c.mesh.device_memory_gb = 0.0
     # Multi-host (jax.distributed.initialize): auto (when a coordinator is given, or on a
     # multi-host TPU slice, which discovers its peers) | on | off. GPU nodes: coordinator
     # host:port, process count and id here or in JAX_COORDINATOR_ADDRESS,

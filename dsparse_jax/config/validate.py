@@ -164,6 +164,7 @@ def validate(c) -> None:
         "sft.max_consecutive_skips",
         "rl.max_consecutive_skips",
         "rl.grow_buffer_from",
+        "rl.rollout_chunk_rows",
         "task.agg_every",
         "task.train_size",
         "log.num_samples",
@@ -327,6 +328,7 @@ def _validate_mesh(c) -> None:
     mesh, r = c.mesh, c.rl
     for f in ("mesh.fsdp", "mesh.tensor"):
         _positive_int(c, f)
+    _nonneg(c, "mesh.device_memory_gb")
     _check(
         isinstance(mesh.data, int) and (mesh.data >= 1 or mesh.data == -1),
         "mesh.data",
@@ -344,6 +346,7 @@ def _validate_mesh(c) -> None:
             r.prompts_per_step * r.samples_per_prompt // c.distill.row_stride // r.minibatches,
             "phi's minibatch (distill.row_stride)",
         ),
+        (r.rollout_chunk_rows or shards, "a rollout chunk (rl.rollout_chunk_rows)"),
     ):
         _check(
             rows % shards == 0,
@@ -363,6 +366,13 @@ def _validate_modes(c) -> None:
         and (r.samples_generated == 0 or r.samples_generated >= r.samples_per_prompt),
         "rl.samples_generated",
         f"must be 0 (= samples_per_prompt) or >= samples_per_prompt ({r.samples_per_prompt})",
+    )
+    m, chunk = r.samples_generated or r.samples_per_prompt, r.rollout_chunk_rows
+    _check(
+        chunk == 0 or (chunk % m == 0 and r.prompts_per_step * m % chunk == 0),
+        "rl.rollout_chunk_rows",
+        f"must be 0 (automatic) or a multiple of the {m} samples per prompt that divides "
+        f"the rollout's {r.prompts_per_step * m} rows, got {chunk}",
     )
     if r.rollout_mode == "speculative":
         _check(r.draft in DRAFTS, "rl.draft", f"must be one of {tuple(DRAFTS)}")
@@ -508,6 +518,12 @@ CONFLICTS = (
         "rl.prune.enabled",
         lambda r, mode: r.prune.enabled and mode.speculative,
         "must be false with rl.rollout_mode=speculative (its rollout never prunes)",
+    ),
+    (
+        "rl.rollout_chunk_rows",
+        lambda r, mode: r.rollout_chunk_rows > 0 and (mode.speculative or r.prune.enabled),
+        "must be 0 with rl.rollout_mode=speculative or rl.prune.enabled: their draws span "
+        "the whole batch, which they roll out at once (not chunked)",
     ),
     (
         "rl.grow_buffer_from",

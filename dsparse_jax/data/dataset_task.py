@@ -6,9 +6,8 @@ import dataclasses
 
 import numpy as np
 
-from dsparse_jax.data.sources import SourceConfig, load_problems
+from dsparse_jax.data.sources import ChatTokenizer, SourceConfig, load_problems
 from dsparse_jax.data.task import Problem
-from dsparse_jax.data.tokenizers.base import Tokenizer
 
 
 class DatasetTask:
@@ -59,7 +58,7 @@ def build_task(
     uri: str,
     eval_uri: str,
     cfg: SourceConfig,
-    tok: Tokenizer,
+    tok: ChatTokenizer,
     num_eval: int,
     max_new_tokens: int,
     seed: int,

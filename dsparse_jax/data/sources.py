@@ -23,7 +23,9 @@ ANSWER_FIELDS. A record in verl's layout (what verl's gsm8k preprocessing writes
 
 is read as such whenever its prompt is a list (and data.question_field names no other field
 of the record): the messages are the prompt (data.instruction is not added),
-reward_model.ground_truth the answer. A record without a usable question or answer is counted and skipped
+reward_model.ground_truth the answer. Prompts are the tokenizer's (`tok.math_prompt`,
+`tok.render_chat`: a checkpoint's own chat template, or Gemma turns for tokenizer.model).
+A record without a usable question or answer is counted and skipped
 with a warning; above `max_bad_fraction` of the records, loading fails. Prompts longer
 than the static prompt width are dropped or truncated (`overlong`).
 
@@ -41,8 +43,11 @@ import numpy as np
 
 from dsparse_jax.data import answer_check
 from dsparse_jax.data.task import Problem
-from dsparse_jax.data.tokenizers.base import Tokenizer
-from dsparse_jax.data.tokenizers.gemma import MATH_INSTRUCTION, math_prompt, render_chat
+from dsparse_jax.data.tokenizers.gemma import MATH_INSTRUCTION, GemmaTokenizer
+from dsparse_jax.data.tokenizers.hf import HFTokenizer
+
+# A tokenizer that formats prompts (render_chat, math_prompt): load.load_tokenizer's.
+ChatTokenizer = GemmaTokenizer | HFTokenizer
 
 SCHEMES = ("synthetic", "jsonl", "parquet", "hf_disk", "tfds")
 QUESTION_FIELDS = ("question", "problem", "prompt", "query")
@@ -55,7 +60,7 @@ class SourceConfig:
     answer_field: str = ""  # "" -> first present of ANSWER_FIELDS
     solution_field: str = ""  # optional worked solution (kept for SFT / inspection)
     instruction: str = MATH_INSTRUCTION
-    chat: bool = True  # wrap in Gemma's chat turn markers
+    chat: bool = True  # the tokenizer's chat format (its template; Gemma turns)
     max_prompt_tokens: int = 512  # static prompt width, BOS included
     overlong: str = "drop"  # drop | truncate (the question's tail is cut)
     max_bad_fraction: float = 0.01
@@ -214,22 +219,22 @@ def _text(v) -> str | None:
     return v if isinstance(v, str) and v.strip() else None
 
 
-def _fit(question: str, cfg: SourceConfig, tok: Tokenizer, render=None) -> str | None:
-    """The templated prompt render(question) (default: math_prompt) if it fits (BOS +
-    tokens <= max_prompt_tokens), else the truncated one (overlong='truncate') or None
-    (overlong='drop')."""
-    render = render or (lambda q: math_prompt(q, cfg.instruction, cfg.chat))
+def _fit(question: str, cfg: SourceConfig, tok: ChatTokenizer, render=None) -> str | None:
+    """The templated prompt render(question) (default: tok.math_prompt) if it fits (its
+    tokens with BOS <= max_prompt_tokens), else the truncated one (overlong='truncate') or
+    None (overlong='drop')."""
+    render = render or (lambda q: tok.math_prompt(q, cfg.instruction, cfg.chat))
     prompt = render(question)
-    if 1 + len(tok.encode(prompt)) <= cfg.max_prompt_tokens:
+    if len(tok.encode(prompt, add_bos=True)) <= cfg.max_prompt_tokens:
         return prompt
     if cfg.overlong == "drop":
         return None
     q_ids = tok.encode(question)
-    over = 1 + len(tok.encode(prompt)) - cfg.max_prompt_tokens
+    over = len(tok.encode(prompt, add_bos=True)) - cfg.max_prompt_tokens
     keep = len(q_ids) - over
     while keep > 0:
         prompt = render(tok.decode(q_ids[:keep]))
-        n = 1 + len(tok.encode(prompt))
+        n = len(tok.encode(prompt, add_bos=True))
         if n <= cfg.max_prompt_tokens:
             return prompt
         keep -= max(1, n - cfg.max_prompt_tokens)
@@ -260,7 +265,7 @@ def is_verl_record(rec: dict, cfg: SourceConfig) -> bool:
     return isinstance(rec.get("prompt"), (list, tuple, np.ndarray))
 
 
-def _verl_problem(n: int, rec: dict, cfg: SourceConfig, tok: Tokenizer):
+def _verl_problem(n: int, rec: dict, cfg: SourceConfig, tok: ChatTokenizer):
     """A Problem of a verl record, None if its prompt is too long, or the reason it
     is bad (a string)."""
     messages = _messages(rec.get("prompt"))
@@ -277,7 +282,7 @@ def _verl_problem(n: int, rec: dict, cfg: SourceConfig, tok: Tokenizer):
     def render(text: str) -> str:
         turns = list(messages)
         turns[last] = {"role": "user", "content": text}
-        return render_chat(turns, cfg.chat)
+        return tok.render_chat(turns, cfg.chat)
 
     prompt = _fit(messages[last]["content"], cfg, tok, render)
     if prompt is None:
@@ -296,7 +301,7 @@ def _verl_problem(n: int, rec: dict, cfg: SourceConfig, tok: Tokenizer):
 
 
 def to_problems(
-    records: list, cfg: SourceConfig, tok: Tokenizer, name: str = "data"
+    records: list, cfg: SourceConfig, tok: ChatTokenizer, name: str = "data"
 ) -> tuple[list[Problem], dict]:
     """Usable problems of raw records and counts {total, bad, overlong, truncated, kept}."""
     out, reasons = [], []
@@ -316,7 +321,7 @@ def to_problems(
                 stats["overlong"] += 1
             else:
                 out.append(got)
-                full = render_chat(_messages(rec["prompt"]), cfg.chat)
+                full = tok.render_chat(_messages(rec["prompt"]), cfg.chat)
                 stats["truncated"] += got.prompt != full
             continue
         qf = _field(rec, cfg.question_field, QUESTION_FIELDS)
@@ -334,7 +339,7 @@ def to_problems(
         if prompt is None:
             stats["overlong"] += 1
             continue
-        stats["truncated"] += prompt != math_prompt(question, cfg.instruction, cfg.chat)
+        stats["truncated"] += prompt != tok.math_prompt(question, cfg.instruction, cfg.chat)
         sf = cfg.solution_field or af
         solution = (_text(rec.get(sf)) or "") if sf else ""
         out.append(Problem(prompt=prompt, solution=solution, answer=answer, grader="math"))
@@ -359,5 +364,5 @@ def to_problems(
     return out, stats
 
 
-def load_problems(uri: str, cfg: SourceConfig, tok: Tokenizer) -> tuple[list[Problem], dict]:
+def load_problems(uri: str, cfg: SourceConfig, tok: ChatTokenizer) -> tuple[list[Problem], dict]:
     return to_problems(read_records(uri, cfg), cfg, tok, name=uri)

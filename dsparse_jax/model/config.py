@@ -1,6 +1,7 @@
 """Model shapes: one frozen dataclass, with presets for the tiny CPU model and real Gemmas.
 
-Only shapes and architecture switches live here; weights are loaded elsewhere.
+Only shapes and architecture switches live here (the conventions of each architecture
+family are model/families.py); weights are loaded elsewhere.
 """
 
 from __future__ import annotations
@@ -8,12 +9,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from dsparse_jax.model.families import FAMILIES, Family
+
 LayerKind = Literal["global", "local"]
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Gemma 2/3 style decoder-only transformer."""
+    """Architecture of a decoder-only transformer of one family (model/families.py)."""
 
     vocab_size: int
     d_model: int
@@ -32,8 +35,17 @@ class ModelConfig:
     query_scale: float | None = None  # multiplies q; None -> head_dim ** -0.5
     attn_softcap: float | None = None  # Gemma 2: 50.0
     final_softcap: float | None = None  # Gemma 2: 30.0
-    qk_norm: bool = False  # Gemma 3
+    qk_norm: bool = False  # Gemma 3, Qwen3
     norm_eps: float = 1e-6
+    # gemma2 | gemma3 | qwen2 | qwen3 | llama; "" (the presets): Gemma, 3 if qk_norm else 2.
+    family: str = ""
+    tie_embeddings: bool = True  # logits through the embedding; False: its own lm_head
+    # "linear": positions divided by rope_scale_global; "llama3": Llama 3.1's per-frequency
+    # scaling by rope_scale_global with the three fields below (global layers).
+    rope_type: str = "linear"
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype
 
@@ -65,6 +77,22 @@ class ModelConfig:
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in ("float32", "bfloat16"):
                 raise ValueError(f"ModelConfig.{name} must be float32 or bfloat16")
+        if self.family and self.family not in FAMILIES:
+            raise ValueError(f"ModelConfig.family {self.family!r} is not one of {sorted(FAMILIES)}")
+        arch = self.arch
+        if self.family and self.qk_norm != arch.qk_norm:
+            raise ValueError(f"ModelConfig.qk_norm must be {arch.qk_norm} for family {arch.name}")
+        if not arch.softcaps and (self.attn_softcap or self.final_softcap):
+            raise ValueError(f"ModelConfig.attn_softcap/final_softcap: family {arch.name} has none")
+        if not arch.local_layers and "local" in self.layer_pattern:
+            raise ValueError(
+                f"ModelConfig.layer_pattern: family {arch.name} has no sliding-window layers"
+            )
+        if self.rope_type not in arch.rope_types:
+            raise ValueError(
+                f"ModelConfig.rope_type {self.rope_type!r}: family {arch.name} uses "
+                f"{list(arch.rope_types)}"
+            )
 
     @property
     def group_size(self) -> int:
@@ -77,11 +105,24 @@ class ModelConfig:
     def layer_window(self, i: int) -> int | None:
         return self.sliding_window if self.layer_kind(i) == "local" else None
 
-    def layer_rope(self, i: int) -> tuple[float, float]:
-        """(base, scale factor) of layer i's RoPE."""
+    @property
+    def arch(self) -> Family:
+        """The family's conventions (the presets: Gemma 3 if qk_norm, else Gemma 2)."""
+        return FAMILIES[self.family or ("gemma3" if self.qk_norm else "gemma2")]
+
+    def layer_rope(self, i: int) -> tuple[float, float, tuple[float, float, int] | None]:
+        """(base, scale factor, llama3's (low, high, original length) or None) of layer i's
+        RoPE."""
         if self.layer_kind(i) == "local":
-            return self.rope_base_local, 1.0
-        return self.rope_base_global, self.rope_scale_global
+            return self.rope_base_local, 1.0, None
+        llama3 = None
+        if self.rope_type == "llama3":
+            llama3 = (
+                self.rope_low_freq_factor,
+                self.rope_high_freq_factor,
+                self.rope_original_max_len,
+            )
+        return self.rope_base_global, self.rope_scale_global, llama3
 
     @property
     def scale(self) -> float:
@@ -186,12 +227,104 @@ def gemma3_4b() -> ModelConfig:
     )
 
 
+def _qwen3(d_model: int, num_layers: int, num_heads: int, mlp_dim: int) -> ModelConfig:
+    """Qwen3 (base and instruct share shapes): head_dim 128, 8 KV heads, rope 1e6, tied
+    head below 8B."""
+    return ModelConfig(
+        vocab_size=151_936,
+        d_model=d_model,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=8,
+        head_dim=128,
+        mlp_dim=mlp_dim,
+        rope_base_global=1_000_000.0,
+        qk_norm=True,
+        family="qwen3",
+        tie_embeddings=True,
+    )
+
+
+def qwen3_1_7b() -> ModelConfig:
+    return _qwen3(2048, 28, 16, 6144)
+
+
+def qwen3_4b() -> ModelConfig:
+    """The paper's model (Qwen3-4B-Base): 36 layers, 32 query and 8 KV heads of 128."""
+    return _qwen3(2560, 36, 32, 9728)
+
+
+def qwen2_5_1_5b() -> ModelConfig:
+    return ModelConfig(
+        vocab_size=151_936,
+        d_model=1536,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+        head_dim=128,
+        mlp_dim=8960,
+        rope_base_global=1_000_000.0,
+        family="qwen2",
+        tie_embeddings=True,
+    )
+
+
+def _llama3(d_model, num_layers, mlp_dim, head_dim, factor, tied) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=128_256,
+        d_model=d_model,
+        num_layers=num_layers,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=head_dim,
+        mlp_dim=mlp_dim,
+        rope_base_global=500_000.0,
+        rope_scale_global=factor,
+        rope_type="llama3",
+        norm_eps=1e-5,
+        family="llama",
+        tie_embeddings=tied,
+    )
+
+
+def llama3_2_1b() -> ModelConfig:
+    return _llama3(2048, 16, 8192, 64, factor=32.0, tied=True)
+
+
+def llama3_1_8b() -> ModelConfig:
+    return _llama3(4096, 32, 14336, 128, factor=8.0, tied=False)
+
+
+def tiny_of(family: str, vocab_size: int) -> ModelConfig:
+    """A tiny random model (~0.2M parameters plus the embedding) of any family, for smoke
+    tests of the real-data path on CPU: 2 global layers, 4 query and 2 KV heads of 16."""
+    arch = FAMILIES[family]
+    return ModelConfig(
+        vocab_size=vocab_size,
+        d_model=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        mlp_dim=128,
+        rope_base_global=10_000.0,
+        qk_norm=arch.qk_norm,
+        family=family,
+        tie_embeddings=arch.tied,
+    )
+
+
 PRESETS = {
     "tiny": tiny,
     "mini": mini,
     "gemma2_2b": gemma2_2b,
     "gemma3_1b": gemma3_1b,
     "gemma3_4b": gemma3_4b,
+    "qwen2_5_1_5b": qwen2_5_1_5b,
+    "qwen3_1_7b": qwen3_1_7b,
+    "qwen3_4b": qwen3_4b,
+    "llama3_2_1b": llama3_2_1b,
+    "llama3_1_8b": llama3_1_8b,
 }
 
 

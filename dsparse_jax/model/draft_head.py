@@ -107,9 +107,7 @@ class DraftHead(nnx.Module):
         )
         ks, vs = ks + [k], vs + [v]
         a = attn._out(_unrolled_attention(q, ks, vs, attn.info), None, 1.0)
-        x = x + block.post_attn_norm(a)
-        x = x + block.post_mlp_norm(block.mlp(block.pre_mlp_norm(x)))
-        return x, ks, vs
+        return block.residual(x, a), ks, vs
 
     def logits(self, h, embed_VxD):
         """The draft distribution's logits [..., V] (f32) through the policy's unembedding."""

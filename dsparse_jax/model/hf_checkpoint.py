@@ -1,4 +1,5 @@
-"""Gemma 2 / Gemma 3 text weights in Hugging Face format <-> our nnx param tree.
+"""Hugging Face checkpoints of every family (Gemma 2/3, Qwen2.5, Qwen3, Llama 3) <-> our
+nnx param tree.
 
 A Hugging Face directory holds config.json and either model.safetensors or shards listed
 in model.safetensors.index.json. `load_model_config` builds a ModelConfig from
@@ -10,24 +11,30 @@ config.json; `load_params` maps every tensor into the tree of `Transformer(cfg)`
   self_attn.k_proj / v_proj.weight       [K*H, D]                          attn.k / v [D, K, H]
   self_attn.o_proj.weight                [D, N*H]                          attn.o [N, H, D]
   self_attn.q_norm / k_norm.weight       [H]            (Gemma 3)          attn.q_norm/k_norm.scale
+  self_attn.q_proj / k_proj / v_proj.bias [N*H] / [K*H] (Qwen2)             attn.q_bias / k_bias / v_bias
   input_layernorm.weight                 [D]                               pre_attn_norm.scale
-  post_attention_layernorm.weight        [D]                               post_attn_norm.scale
-  pre_feedforward_layernorm.weight       [D]                               pre_mlp_norm.scale
-  post_feedforward_layernorm.weight      [D]                               post_mlp_norm.scale
   mlp.gate_proj / up_proj.weight         [F, D]                            mlp.gate / up [D, F]
   mlp.down_proj.weight                   [D, F]                            mlp.down [F, D]
   model.norm.weight                      [D]                               final_norm.scale
+  lm_head.weight (untied head only)      [V, D]                            lm_head [V, D]
+  Gemma 2/3:
+  post_attention_layernorm.weight        [D]                               post_attn_norm.scale
+  pre_feedforward_layernorm.weight       [D]                               pre_mlp_norm.scale
+  post_feedforward_layernorm.weight      [D]                               post_mlp_norm.scale
+  Qwen2/3, Llama (no post-norms; HF's "post_attention_layernorm" is the MLP's pre-norm):
+  post_attention_layernorm.weight        [D]                               pre_mlp_norm.scale
 
-Both sides store RMSNorm scales in the (1 + w) convention, so norms copy unchanged. The
-output projection is tied to the embedding: an lm_head.weight equal to it is accepted,
-a different one is an error. Multimodal Gemma 3 checkpoints are accepted too (the
-language model's tensors under language_model.*; vision tensors are ignored).
-`export` writes our params (optionally with a LoRA tree merged: W + A.B * alpha / r)
-back in the same format, loadable by transformers' Gemma2/Gemma3 causal LMs.
+Both sides store RMSNorm scales in the family's convention (Gemma: 1 + w, the others: w),
+so norms copy unchanged. A tied checkpoint's lm_head.weight, if present, must equal the
+embedding. Multimodal Gemma 3 checkpoints are accepted too (the language model's tensors
+under language_model.*; vision tensors are ignored). `export` writes our params
+(optionally with a LoRA tree merged: W + A.B * alpha / r) back in the same format,
+loadable by transformers' causal LM class of the family (HF_FORMATS).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -39,6 +46,7 @@ import numpy as np
 from flax import nnx
 
 from dsparse_jax.model.config import ModelConfig
+from dsparse_jax.model.families import FAMILIES
 from dsparse_jax.model.transformer import ATTN_NAMES, Transformer, lora_weight
 
 CONFIG_FILE = "config.json"
@@ -52,13 +60,39 @@ _IGNORED_PREFIXES = (
     "model.vision_tower.",
     "model.multi_modal_projector.",
 )
-_NORMS = {
-    "input_layernorm": "pre_attn_norm",
-    "post_attention_layernorm": "post_attn_norm",
-    "pre_feedforward_layernorm": "pre_mlp_norm",
-    "post_feedforward_layernorm": "post_mlp_norm",
+_LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
+
+
+@dataclasses.dataclass(frozen=True)
+class HFFormat:
+    """How a family is written in Hugging Face format."""
+
+    model_types: tuple[str, ...]  # config.json model_type values read (the first is written)
+    architecture: str  # the causal LM class written into config.json
+    activations: tuple[str, ...]  # hidden_act values meaning the family's activation
+    norms: tuple[tuple[str, str], ...]  # (HF name in a layer, our norm)
+
+
+_GEMMA_NORMS = (
+    ("input_layernorm", "pre_attn_norm"),
+    ("post_attention_layernorm", "post_attn_norm"),
+    ("pre_feedforward_layernorm", "pre_mlp_norm"),
+    ("post_feedforward_layernorm", "post_mlp_norm"),
+)
+_DECODER_NORMS = (
+    ("input_layernorm", "pre_attn_norm"),
+    ("post_attention_layernorm", "pre_mlp_norm"),
+)
+_GELU = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
+HF_FORMATS = {
+    "gemma2": HFFormat(("gemma2",), "Gemma2ForCausalLM", _GELU, _GEMMA_NORMS),
+    "gemma3": HFFormat(("gemma3_text", "gemma3"), "Gemma3ForCausalLM", _GELU, _GEMMA_NORMS),
+    "qwen2": HFFormat(("qwen2",), "Qwen2ForCausalLM", ("silu",), _DECODER_NORMS),
+    "qwen3": HFFormat(("qwen3",), "Qwen3ForCausalLM", ("silu",), _DECODER_NORMS),
+    "llama": HFFormat(("llama",), "LlamaForCausalLM", ("silu",), _DECODER_NORMS),
 }
-_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
+assert set(HF_FORMATS) == set(FAMILIES)
+MODEL_TYPES = {t: name for name, f in HF_FORMATS.items() for t in f.model_types}
 # transformers' defaults for fields a config.json may leave out (e.g. the text_config of
 # the multimodal Gemma 3 checkpoints lists only what differs from them).
 _SHARED_DEFAULTS = dict(
@@ -123,8 +157,9 @@ def read_hf_config(ckpt_dir: str) -> dict:
     return hf
 
 
-def _rope(hf: dict, kind: str) -> tuple[float, float]:
-    """(base, linear scale factor) of the 'full_attention' or 'sliding_attention' layers."""
+def _rope(hf: dict, kind: str, family: str) -> tuple[float, float, dict]:
+    """(base, scale factor, ModelConfig's llama3 fields or {}) of the 'full_attention' or
+    'sliding_attention' layers."""
     params = hf.get("rope_parameters")  # transformers >= 5
     if isinstance(params, Mapping) and kind in params:
         p = params[kind]
@@ -138,16 +173,39 @@ def _rope(hf: dict, kind: str) -> tuple[float, float]:
         if kind == "full_attention" and hf.get("rope_scaling"):
             p.update(hf["rope_scaling"])
     rope_type = p.get("rope_type", p.get("type", "default"))
-    if rope_type not in ("default", "linear"):
+    supported = ("default",) + FAMILIES[family].rope_types
+    if rope_type not in supported:
         raise ValueError(
-            f"unsupported rope_type {rope_type!r} for {kind} layers (supported: default, linear)"
+            f"unsupported rope_type {rope_type!r} for {kind} layers of a {family} checkpoint "
+            f"(supported: {', '.join(supported)})"
         )
-    factor = float(p.get("factor", 1.0)) if rope_type == "linear" else 1.0
-    return float(p.get("rope_theta", 10_000.0)), factor
+    base = float(p.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+    if rope_type == "default":
+        return base, 1.0, {}
+    factor = float(p.get("factor", 1.0))
+    if rope_type == "linear":
+        return base, factor, {}
+    return (
+        base,
+        factor,
+        dict(
+            rope_type="llama3",
+            rope_low_freq_factor=float(p["low_freq_factor"]),
+            rope_high_freq_factor=float(p["high_freq_factor"]),
+            rope_original_max_len=int(p["original_max_position_embeddings"]),
+        ),
+    )
 
 
-def _layer_pattern(hf: dict, num_layers: int) -> tuple[str, ...]:
+def _layer_pattern(hf: dict, num_layers: int, family: str) -> tuple[str, ...]:
     """The shortest repeating pattern of local/global layers."""
+    if not FAMILIES[family].local_layers:
+        if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
+            raise ValueError(
+                f"use_sliding_window / sliding_attention layers of a {family} checkpoint are "
+                "not supported"
+            )
+        return ("global",)
     if hf.get("layer_types"):
         kinds = ["local" if t == "sliding_attention" else "global" for t in hf["layer_types"]]
         if any(t not in ("sliding_attention", "full_attention") for t in hf["layer_types"]):
@@ -166,23 +224,27 @@ def _layer_pattern(hf: dict, num_layers: int) -> tuple[str, ...]:
 
 
 def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
-    """ModelConfig of a Gemma 2 / Gemma 3 text config dict (overrides: e.g. dtype)."""
+    """ModelConfig of a text config dict of any family in HF_FORMATS (overrides: e.g.
+    dtype)."""
     model_type = hf.get("model_type", "")
-    if model_type not in DEFAULTS:
+    if model_type not in MODEL_TYPES:
         raise ValueError(
-            f"unsupported model_type {model_type!r}: Gemma 2 (gemma2) and "
-            "Gemma 3 (gemma3_text / gemma3) are supported"
+            f"unsupported model_type {model_type!r}: supported are {', '.join(MODEL_TYPES)}"
         )
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-    hf = {**DEFAULTS[model_type], **hf}
-    if act not in _ACTIVATIONS:
-        raise ValueError(f"unsupported hidden_activation {act!r} (need tanh-approximate GeLU)")
-    if hf.get("attention_bias"):
-        raise ValueError("attention_bias=True is not supported")
+    family = MODEL_TYPES[model_type]
+    fmt, arch = HF_FORMATS[family], FAMILIES[family]
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or fmt.activations[0]
+    hf = {**DEFAULTS.get(model_type, {}), **hf}
+    if act not in fmt.activations:
+        raise ValueError(f"unsupported hidden_act {act!r} for {family} (need {fmt.activations})")
+    if family != "qwen2" and hf.get("attention_bias"):  # Qwen2's q/k/v always have biases
+        raise ValueError(f"attention_bias=True is not supported for {family}")
+    if hf.get("mlp_bias"):
+        raise ValueError(f"mlp_bias=True is not supported for {family}")
     n_layers = int(hf["num_hidden_layers"])
-    pattern = _layer_pattern(hf, n_layers)
-    base_g, scale_g = _rope(hf, "full_attention")
-    base_l, scale_l = _rope(hf, "sliding_attention")
+    pattern = _layer_pattern(hf, n_layers, family)
+    base_g, scale_g, llama3 = _rope(hf, "full_attention", family)
+    base_l, scale_l, _ = _rope(hf, "sliding_attention", family)
     if scale_l != 1.0:
         raise ValueError("RoPE scaling on sliding-window layers is not supported")
     num_heads = int(hf["num_attention_heads"])
@@ -204,8 +266,11 @@ def model_config_from_hf(hf: dict, **overrides) -> ModelConfig:
         query_scale=float(qpas) ** -0.5 if qpas else None,
         attn_softcap=hf.get("attn_logit_softcapping"),
         final_softcap=hf.get("final_logit_softcapping"),
-        qk_norm=model_type != "gemma2",
+        qk_norm=arch.qk_norm,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        family=family,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", arch.tied)),
+        **llama3,
     )
     kw.update(overrides)
     return ModelConfig(**kw)
@@ -217,8 +282,10 @@ def load_model_config(ckpt_dir: str, **overrides) -> ModelConfig:
 
 
 def hf_config_from(cfg: ModelConfig) -> dict:
-    """A config.json dict (Gemma 3 if cfg.qk_norm, else Gemma 2) that describes cfg."""
-    gemma3 = cfg.qk_norm
+    """A config.json dict of cfg's family that describes cfg."""
+    if cfg.arch.name not in ("gemma2", "gemma3"):
+        return _decoder_config(cfg)
+    gemma3 = cfg.arch.name == "gemma3"
     n = cfg.num_layers
     types = [
         "sliding_attention" if cfg.layer_kind(i) == "local" else "full_attention" for i in range(n)
@@ -257,6 +324,44 @@ def hf_config_from(cfg: ModelConfig) -> dict:
         )
     elif cfg.rope_base_local != cfg.rope_base_global or cfg.rope_scale_global != 1.0:
         raise ValueError("Gemma 2 format has one RoPE base and no scaling")
+    return hf
+
+
+def _decoder_config(cfg: ModelConfig) -> dict:
+    """config.json of a Qwen2 / Qwen3 / Llama cfg."""
+    family = cfg.arch.name
+    hf = {
+        "architectures": [HF_FORMATS[family].architecture],
+        "model_type": HF_FORMATS[family].model_types[0],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.mlp_dim,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_base_global,
+        "rope_scaling": None,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": cfg.arch.qkv_bias,
+        "torch_dtype": cfg.param_dtype,
+    }
+    if cfg.query_scale is not None and not math.isclose(cfg.scale, cfg.head_dim**-0.5):
+        raise ValueError(f"the {family} format has no query_scale (it is head_dim ** -0.5)")
+    if family != "llama":
+        hf["use_sliding_window"] = False
+    if cfg.rope_type == "llama3":
+        hf["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": cfg.rope_scale_global,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_len,
+        }
+    elif cfg.rope_scale_global != 1.0:
+        hf["rope_scaling"] = {"rope_type": "linear", "factor": cfg.rope_scale_global}
     return hf
 
 
@@ -317,10 +422,16 @@ def _hf_layout(cfg: ModelConfig) -> dict[str, tuple[tuple[str | int, ...], tuple
         out[p + "self_attn.k_proj.weight"] = (("layers", i, "attn", "k"), (k * h, d))
         out[p + "self_attn.v_proj.weight"] = (("layers", i, "attn", "v"), (k * h, d))
         out[p + "self_attn.o_proj.weight"] = (("layers", i, "attn", "o"), (d, n * h))
+        if cfg.arch.qkv_bias:
+            for name, heads in (("q", n), ("k", k), ("v", k)):
+                out[p + f"self_attn.{name}_proj.bias"] = (
+                    ("layers", i, "attn", f"{name}_bias"),
+                    (heads * h,),
+                )
         if cfg.qk_norm:
             out[p + "self_attn.q_norm.weight"] = (("layers", i, "attn", "q_norm", "scale"), (h,))
             out[p + "self_attn.k_norm.weight"] = (("layers", i, "attn", "k_norm", "scale"), (h,))
-        for hf_name, ours in _NORMS.items():
+        for hf_name, ours in HF_FORMATS[cfg.arch.name].norms:
             out[p + hf_name + ".weight"] = (("layers", i, ours, "scale"), (d,))
         out[p + "mlp.gate_proj.weight"] = (("layers", i, "mlp", "gate"), (f, d))
         out[p + "mlp.up_proj.weight"] = (("layers", i, "mlp", "up"), (f, d))
@@ -340,6 +451,8 @@ def _to_ours(path, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
         return w.T.reshape(n, h, cfg.d_model)
     if name in ("gate", "up", "down"):
         return w.T
+    if name.endswith("_bias"):
+        return w.reshape(-1, h)
     return w
 
 
@@ -351,6 +464,8 @@ def _to_hf(path, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
         return w.reshape(-1, cfg.d_model).T
     if name in ("gate", "up", "down"):
         return w.T
+    if name.endswith("_bias"):
+        return w.reshape(-1)
     return w
 
 
@@ -384,25 +499,39 @@ def hf_to_tree(tensors: Mapping[str, np.ndarray], cfg: ModelConfig) -> dict:
             node = node.setdefault(key, {})
         node[path[-1]] = _to_ours(path, w, cfg)
     embed = tensors.get(prefix + "embed_tokens.weight")
+    heads = [name for name in _LM_HEADS if name in tensors]
+    if not cfg.tie_embeddings:
+        shape = (cfg.vocab_size, cfg.d_model)
+        if not heads:
+            missing.append("lm_head.weight (tie_word_embeddings is false)")
+        elif tuple(np.shape(tensors[heads[0]])) != shape:
+            shape_errors.append(
+                f"{heads[0]}: checkpoint {tuple(np.shape(tensors[heads[0]]))}, model expects {shape}"
+            )
+        else:
+            tree["lm_head"] = np.asarray(tensors[heads[0]])
     for name, w in tensors.items():
         if name.startswith(prefix) and name[len(prefix) :] in layout:
             continue
         if name.startswith(_IGNORED_PREFIXES):
             continue
-        if name in ("lm_head.weight", "language_model.lm_head.weight"):
-            if embed is not None and (
-                np.shape(w) != np.shape(embed)
+        if name in _LM_HEADS:
+            if cfg.tie_embeddings and (
+                embed is None
+                or np.shape(w) != np.shape(embed)
                 or not np.array_equal(np.asarray(w), np.asarray(embed))
             ):
-                unexpected.append(f"{name} (untied output embedding: not supported)")
+                unexpected.append(
+                    f"{name} (differs from the embedding, but tie_word_embeddings is true)"
+                )
             continue
         if name.endswith("rotary_emb.inv_freq"):
             continue
         unexpected.append(f"{name} {tuple(np.shape(w))}")
     if missing or unexpected or shape_errors:
         lines = [
-            f"checkpoint does not match the model ({cfg.num_layers} layers, "
-            f"d_model={cfg.d_model}, qk_norm={cfg.qk_norm}):"
+            f"checkpoint does not match the model ({cfg.arch.name}, {cfg.num_layers} layers, "
+            f"d_model={cfg.d_model}, qk_norm={cfg.qk_norm}, tied={cfg.tie_embeddings}):"
         ]
         for title, items in (
             ("missing", missing),
@@ -435,7 +564,7 @@ def load_params(ckpt_dir: str, cfg: ModelConfig):
 
 
 def load(ckpt_dir: str, **overrides):
-    """(ModelConfig, graphdef, params) of a Hugging Face Gemma 2/3 directory."""
+    """(ModelConfig, graphdef, params) of a Hugging Face directory of any family."""
     cfg = load_model_config(ckpt_dir, **overrides)
     graphdef, _ = abstract_params(cfg)
     return cfg, graphdef, load_params(ckpt_dir, cfg)
@@ -466,6 +595,8 @@ def tree_to_hf(tree: Mapping, cfg: ModelConfig, dtype: str = "float32") -> dict[
         w = _to_hf(path, np.asarray(node, np.float32), cfg)
         assert w.shape == shape, (name, w.shape, shape)
         out["model." + name] = np.ascontiguousarray(w).astype(np_dtype)
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = np.asarray(tree["lm_head"], np.float32).astype(np_dtype)
     return out
 
 
@@ -592,4 +723,7 @@ def export_lora_adapter(
 
 def num_bytes(cfg: ModelConfig, dtype: str = "bfloat16") -> int:
     """Bytes of the exported weights (for shard planning)."""
-    return sum(math.prod(s) for _, s in _hf_layout(cfg).values()) * jnp.dtype(dtype).itemsize
+    n = sum(math.prod(s) for _, s in _hf_layout(cfg).values())
+    if not cfg.tie_embeddings:
+        n += cfg.vocab_size * cfg.d_model
+    return n * jnp.dtype(dtype).itemsize

@@ -78,6 +78,21 @@ def weight_shape(cfg: ModelConfig, name: str) -> tuple[tuple[int, ...], tuple[in
     }[name]
 
 
+def lora_shapes(model_cfg: ModelConfig, lcfg: LoRAConfig, dtype=jnp.float32) -> dict:
+    """The delta tree init_lora makes, as jax.ShapeDtypeStructs (nothing allocated)."""
+    layers = range(model_cfg.num_layers) if lcfg.layers is None else lcfg.layers
+    tree = {}
+    for i in layers:
+        tree[int(i)] = {}
+        for name in lcfg.targets:
+            ins, outs = weight_shape(model_cfg, name)
+            tree[int(i)][name] = {
+                "a": jax.ShapeDtypeStruct(ins + (lcfg.rank,), dtype),
+                "b": jax.ShapeDtypeStruct((lcfg.rank,) + outs, dtype),
+            }
+    return tree
+
+
 def init_lora(model_cfg: ModelConfig, lcfg: LoRAConfig, key, dtype=jnp.float32) -> dict:
     """A fresh delta tree: B = 0, A uniform in +-1/sqrt(fan_in). Drawn with numpy from the
     key's bits (no per-leaf compiles)."""

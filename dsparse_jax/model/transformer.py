@@ -1,4 +1,5 @@
-"""Gemma 2/3 decoder-only transformer in flax.nnx.
+"""The decoder-only transformer of every family (Gemma 2/3, Qwen2.5, Qwen3, Llama 3) in
+flax.nnx; what differs between families is data (ModelConfig.arch, model/families.py).
 
 One model serves three call modes, all through the same attention interface
 (dsparse_jax.model.attention_dispatch):
@@ -63,11 +64,28 @@ def linear(x, w, n_in: int, lora_ab=None, lora_scale: float = 1.0):
     return y
 
 
-def apply_rope(x_BxTxNxH, pos_BxT, base: float, scale: float = 1.0):
-    """Rotary embedding, Gemma convention (first half / second half of head_dim)."""
+def llama3_timescale(timescale_H, factor: float, low: float, high: float, original: int):
+    """Llama 3.1's RoPE scaling: wavelengths above original / low are divided by factor,
+    those below original / high kept, the band between interpolated smoothly (as
+    transformers' _compute_llama3_parameters, on 1 / timescale)."""
+    inv = 1.0 / timescale_H
+    wavelen = 2 * jnp.pi * timescale_H
+    scaled = jnp.where(wavelen > original / low, inv / factor, inv)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return 1.0 / jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x_BxTxNxH, pos_BxT, base: float, scale: float = 1.0, llama3=None):
+    """Rotary embedding, first half / second half of head_dim (Gemma's and transformers'
+    rotate_half convention). llama3: (low, high, original length) of Llama 3.1's scaling by
+    `scale` (else positions are divided by `scale`)."""
     h = x_BxTxNxH.shape[-1]
     frac = 2 * jnp.arange(h // 2, dtype=jnp.float32) / h
     timescale = base**frac
+    if llama3 is not None:
+        timescale, scale = llama3_timescale(timescale, scale, *llama3), 1.0
     angle = (pos_BxT[..., None].astype(jnp.float32) / scale) / timescale  # [B, T, H/2]
     sin, cos = jnp.sin(angle)[:, :, None], jnp.cos(angle)[:, :, None]
     x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
@@ -89,16 +107,22 @@ def sparse_layers(cfg: ModelConfig, spec: AttentionSpec) -> list[int]:
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm with Gemma's (1 + scale) convention; scale starts at zero."""
+    """RMSNorm times (offset + scale): Gemma's offset 1 (scale starts at zero), the other
+    families' 0 (scale starts at one)."""
 
-    def __init__(self, dim: int, eps: float, param_dtype):
-        self.scale = nnx.Param(jnp.zeros((dim,), param_dtype))
-        self.eps = eps
+    def __init__(self, dim: int, eps: float, param_dtype, offset: float = 1.0):
+        self.scale = nnx.Param(jnp.full((dim,), 1.0 - offset, param_dtype))
+        self.eps, self.offset = eps, offset
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+        return (y * (self.offset + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+
+
+def norm(cfg: ModelConfig, dim: int | None = None) -> RMSNorm:
+    """An RMSNorm of cfg's family over `dim` (default d_model)."""
+    return RMSNorm(dim or cfg.d_model, cfg.norm_eps, _dtype(cfg.param_dtype), cfg.arch.norm_offset)
 
 
 def _init(rngs: nnx.Rngs, shape, fan_in: int, dtype):
@@ -113,11 +137,16 @@ class Attention(nnx.Module):
         self.k = _init(rngs, (d, k, h), d, pd)
         self.v = _init(rngs, (d, k, h), d, pd)
         self.o = _init(rngs, (n, h, d), n * h, pd)
+        self.qkv_bias = cfg.arch.qkv_bias
+        if self.qkv_bias:
+            self.q_bias = nnx.Param(jnp.zeros((n, h), pd))
+            self.k_bias = nnx.Param(jnp.zeros((k, h), pd))
+            self.v_bias = nnx.Param(jnp.zeros((k, h), pd))
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(h, cfg.norm_eps, pd)
-            self.k_norm = RMSNorm(h, cfg.norm_eps, pd)
+            self.q_norm = norm(cfg, h)
+            self.k_norm = norm(cfg, h)
         self.qk_norm = cfg.qk_norm
-        self.rope_base, self.rope_scale = cfg.layer_rope(index)
+        self.rope_base, self.rope_scale, self.rope_llama3 = cfg.layer_rope(index)
         self.info = layer_info(cfg, index)
 
     def _qkv(self, x_BxTxD, pos_BxT, lora, lora_scale):
@@ -125,11 +154,14 @@ class Attention(nnx.Module):
         q = linear(x_BxTxD, self.q[...], 1, get("q"), lora_scale)
         k = linear(x_BxTxD, self.k[...], 1, get("k"), lora_scale)
         v = linear(x_BxTxD, self.v[...], 1, get("v"), lora_scale)
+        if self.qkv_bias:
+            q = q + self.q_bias[...].astype(q.dtype)
+            k = k + self.k_bias[...].astype(k.dtype)
+            v = v + self.v_bias[...].astype(v.dtype)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, pos_BxT, self.rope_base, self.rope_scale)
-        k = apply_rope(k, pos_BxT, self.rope_base, self.rope_scale)
-        return q, k, v
+        rope = (self.rope_base, self.rope_scale, self.rope_llama3)
+        return apply_rope(q, pos_BxT, *rope), apply_rope(k, pos_BxT, *rope), v
 
     def draft(self, x_base_BxTxD, x_own_BxTxD, spec: AttentionSpec, pages, start_BxT, lora, scale):
         """The self-speculative drafter, teacher-forced: (the dense stream's output, the
@@ -186,8 +218,15 @@ class Attention(nnx.Module):
         return self._out(o, lora, lora_scale), cache, page_ids
 
 
+ACTIVATIONS = {
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "silu": jax.nn.silu,
+}
+
+
 class MLP(nnx.Module):
-    """Gated GeLU (tanh approximation) feed-forward."""
+    """Gated feed-forward down(act(gate(x)) * up(x)); act is the family's (GeLU-tanh or
+    SiLU)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.mlp_dim
@@ -195,36 +234,42 @@ class MLP(nnx.Module):
         self.gate = _init(rngs, (d, f), d, pd)
         self.up = _init(rngs, (d, f), d, pd)
         self.down = _init(rngs, (f, d), f, pd)
+        self.activation = cfg.arch.activation
 
     def __call__(self, x, lora=None, lora_scale=1.0):
         get = (lambda name: None) if lora is None else lora.get
         gate = linear(x, self.gate[...], 1, get("gate"), lora_scale)
         up = linear(x, self.up[...], 1, get("up"), lora_scale)
         return linear(
-            jax.nn.gelu(gate, approximate=True) * up, self.down[...], 1, get("down"), lora_scale
+            ACTIVATIONS[self.activation](gate) * up, self.down[...], 1, get("down"), lora_scale
         )
 
 
 class Block(nnx.Module):
-    """Pre- and post-norm around attention and MLP (Gemma 2/3)."""
+    """Pre-norms around attention and MLP, and post-norms on their outputs where the family
+    has them (Gemma 2/3)."""
 
     def __init__(self, cfg: ModelConfig, index: int, rngs: nnx.Rngs):
-        pd, eps, d = _dtype(cfg.param_dtype), cfg.norm_eps, cfg.d_model
-        self.pre_attn_norm = RMSNorm(d, eps, pd)
+        self.pre_attn_norm = norm(cfg)
         self.attn = Attention(cfg, index, rngs)
-        self.post_attn_norm = RMSNorm(d, eps, pd)
-        self.pre_mlp_norm = RMSNorm(d, eps, pd)
+        self.pre_mlp_norm = norm(cfg)
         self.mlp = MLP(cfg, rngs)
-        self.post_mlp_norm = RMSNorm(d, eps, pd)
+        self.post_norms = cfg.arch.post_norms
+        if self.post_norms:
+            self.post_attn_norm = norm(cfg)
+            self.post_mlp_norm = norm(cfg)
 
     def __call__(self, x, mode, spec, lora=None, lora_scale=1.0, **kw):
         a, cache, page_ids = self.attn(
             self.pre_attn_norm(x), mode, spec, lora=lora, lora_scale=lora_scale, **kw
         )
-        return self._residual(x, a, lora, lora_scale), cache, page_ids
+        return self.residual(x, a, lora, lora_scale), cache, page_ids
 
-    def _residual(self, x, a, lora, lora_scale):
+    def residual(self, x, a, lora=None, lora_scale=1.0):
         """The block's output from its input x and attention output a."""
+        if not self.post_norms:
+            x = x + a
+            return x + self.mlp(self.pre_mlp_norm(x), lora, lora_scale)
         x = x + self.post_attn_norm(a)
         return x + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x), lora, lora_scale))
 
@@ -239,9 +284,7 @@ class Block(nnx.Module):
             lora,
             lora_scale,
         )
-        return self._residual(x_base, a_base, None, 1.0), self._residual(
-            x_own, a_own, lora, lora_scale
-        )
+        return self.residual(x_base, a_base), self.residual(x_own, a_own, lora, lora_scale)
 
 
 class Transformer(nnx.Module):
@@ -251,8 +294,13 @@ class Transformer(nnx.Module):
         self.embed = nnx.Param(
             jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model), pd) * cfg.d_model**-0.5
         )
+        if not cfg.tie_embeddings:
+            self.lm_head = nnx.Param(
+                jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.d_model), pd)
+                * cfg.d_model**-0.5
+            )
         self.layers = nnx.List([Block(cfg, i, rngs) for i in range(cfg.num_layers)])
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+        self.final_norm = norm(cfg)
 
     def merge_lora(self, lora, lora_scale: float) -> bool:
         """Replaces every adapted weight by W + A.B * lora_scale (f32), in place, when the
@@ -272,12 +320,21 @@ class Transformer(nnx.Module):
     def embed_tokens(self, tokens):
         dt = _dtype(self.cfg.dtype)
         x = self.embed[...].astype(dt)[tokens]
+        if not self.cfg.arch.embed_scale:
+            return x
         return x * jnp.asarray(self.cfg.d_model**0.5, dt)
+
+    def unembedding(self):
+        """The output head's weight [V, D]: the embedding, or lm_head when untied."""
+        return (self.embed if self.cfg.tie_embeddings else self.lm_head)[...]
 
     def _logits(self, x):
         x = self.final_norm(x)
         logits = jnp.einsum(
-            "...d,vd->...v", x, self.embed[...].astype(x.dtype), preferred_element_type=jnp.float32
+            "...d,vd->...v",
+            x,
+            self.unembedding().astype(x.dtype),
+            preferred_element_type=jnp.float32,
         )
         return softcap(logits, self.cfg.final_softcap)
 

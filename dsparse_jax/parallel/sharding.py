@@ -8,7 +8,8 @@ sharded inputs and pin their outputs to the same rules with `with_sharding_const
 reused and the next phase gets exactly the layout it expects. Rules (docs/scaling.md):
 
   array                       shape            partition spec
-  embed                       [V, D]           (tensor, fsdp)
+  embed, lm_head (untied)     [V, D]           (tensor, fsdp)
+  attn q_bias / k_bias / v_bias [N|K, H]       (tensor, -)          (Qwen2)
   attn q / k / v              [D, N|K, H]      (fsdp, tensor, -)
   attn o                      [N, H, D]        (tensor, -, fsdp)
   mlp gate / up               [D, F]           (fsdp, tensor)
@@ -53,6 +54,10 @@ LINEAR_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
 # Per weight name: the mesh axis of each dimension (None: replicated).
 WEIGHT_RULES = {
     "embed": ("tensor", "fsdp"),
+    "lm_head": ("tensor", "fsdp"),  # an untied output head, as the embedding
+    "q_bias": ("tensor", None),  # biases follow their projection's output dims
+    "k_bias": ("tensor", None),
+    "v_bias": ("tensor", None),
     "q": ("fsdp", "tensor", None),
     "k": ("fsdp", "tensor", None),
     "v": ("fsdp", "tensor", None),

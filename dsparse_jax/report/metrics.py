@@ -160,7 +160,9 @@ class Progress:
     On a terminal it is one line rewritten in place; otherwise (a log file, a pipe) one
     line every `every` steps and at the last step. `upper_bound`: the loop may stop before
     `total` (SFT stops at its accuracy target), so the ETA, which assumes every step,
-    is printed as 'ETA <= ...'. Call close() before printing anything else."""
+    is printed as 'ETA <= ...'. `after_s`: updates stay silent until the loop has run this
+    long (a loop that is quick prints nothing). Call close() before printing anything
+    else."""
 
     def __init__(
         self,
@@ -171,8 +173,9 @@ class Progress:
         every: int = 1,
         upper_bound: bool = False,
         tty: bool | None = None,
+        after_s: float = 0.0,
     ):
-        self.name, self.total, self.start = name, total, start
+        self.name, self.total, self.start, self.after_s = name, total, start, after_s
         self.every, self.upper_bound = max(1, every), upper_bound
         self.t0 = time.time()
         self.stream = sys.stderr if stream is None else stream
@@ -192,6 +195,8 @@ class Progress:
         return f"[{self.name}] {bar} {step}/{self.total} {shown} | {_fmt_time(elapsed)} elapsed, {eta_s}"
 
     def update(self, step: int, metrics: dict, keys: tuple[str, ...] = ()) -> None:
+        if time.time() - self.t0 < self.after_s:
+            return
         if self.tty:
             self.stream.write("\r" + self.line(step, metrics, keys) + "\033[K")
             self.stream.flush()

@@ -49,6 +49,9 @@ class SamplingConfig:
     # 0: decode over one cache buffer of prompt + max_new_tokens. N > 0: the buffer starts at
     # prompt + N tokens and doubles until it holds max_new_tokens (see buffer_schedule).
     grow_buffer_from: int = 0
+    # More tokens that end a row besides eos_id (a checkpoint's generation_config.json
+    # lists several: the tokenizer's stop_ids).
+    stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -214,12 +217,14 @@ class Sampler:
 
     def __init__(self, graphdef):
         self.graphdef = graphdef
-        self._jitted = jax.jit(self._sample, static_argnames=("cfg", "spec", "lora_scale", "prune"))
+        self._jitted = jax.jit(
+            self._sample, static_argnames=("cfg", "spec", "lora_scale", "prune", "chunks")
+        )
 
     def __call__(self, *args, **kwargs):
         """sampler(state, prompts_BxL, prompt_lengths_B, key, cfg, spec, lora, lora_scale,
-        forced_BxS, prune, head) (`_bind`): a Rollout with B * samples_per_prompt rows (a
-        prompt's samples contiguous)."""
+        forced_BxS, prune, head, chunks) (`_bind`): a Rollout with B * samples_per_prompt
+        rows (a prompt's samples contiguous)."""
         args, kwargs = self._bind(*args, **kwargs)
         return self._jitted(*args, **kwargs)
 
@@ -242,6 +247,7 @@ class Sampler:
         forced_BxS=None,
         prune: pruning.PruneConfig | None = None,
         head=None,
+        chunks: int = 1,
     ):
         """The jitted function's (args, kwargs) of a call: a Rollout with B *
         samples_per_prompt rows (a prompt's samples contiguous).
@@ -258,10 +264,23 @@ class Sampler:
         prune (with `head`, model/quality_head.py params): online pruning of the M' =
         samples_per_prompt rows per prompt at prune.positions (sampling/pruning.py);
         returns (Rollout with B * prune.rows_per_prompt rows, PruneRecord).
+
+        chunks: the prompts in this many equal groups, rolled out one after the other in
+        the same program (lax.map): the KV cache, the carried record and the decode
+        temporaries are those of one group; the outputs are the same rows in the same
+        order (row r's stream stays fold_in(key, r); tests/test_memory_plan.py checks the
+        tokens and log-probs bit for bit). Not with pruning, whose label draws span the
+        batch.
         """
         lengths = jnp.asarray(prompt_lengths_B, jnp.int32)
         if prompts_BxL.shape[0] != lengths.shape[0]:
             raise ValueError("prompts and prompt_lengths disagree on the batch size")
+        if chunks < 1 or lengths.shape[0] % chunks:
+            raise ValueError(
+                f"chunks={chunks} must be >= 1 and divide the {lengths.shape[0]} prompts"
+            )
+        if prune is not None and chunks > 1:
+            raise ValueError("pruning draws its label rows over the whole batch: chunks=1 only")
         if forced_BxS is not None and (
             cfg.samples_per_prompt != 1 or forced_BxS.shape[0] != lengths.shape[0]
         ):
@@ -281,7 +300,7 @@ class Sampler:
             None if forced_BxS is None else jnp.asarray(forced_BxS, jnp.int32),
             head,
         )
-        return args, dict(cfg=cfg, spec=spec, lora_scale=lora_scale, prune=prune)
+        return args, dict(cfg=cfg, spec=spec, lora_scale=lora_scale, prune=prune, chunks=chunks)
 
     def _sample(
         self,
@@ -297,10 +316,49 @@ class Sampler:
         spec,
         lora_scale,
         prune=None,
+        chunks=1,
     ):
         model = nnx.merge(self.graphdef, state)
         if model.merge_lora(lora, lora_scale):  # theta + phi once, not at every decode step
             lora = None
+        rows = functools.partial(
+            self._sample_rows, model, key, lora, head, cfg=cfg, spec=spec, lora_scale=lora_scale
+        )
+        if chunks == 1:
+            return rows(prompts_BxL, prompt_len_B, forced_BxS, prune=prune)
+        # Groups of prompts in sequence; row r of the batch keeps its stream (offset + i).
+        split = lambda x: x.reshape(chunks, x.shape[0] // chunks, *x.shape[1:])
+        per_chunk = prompts_BxL.shape[0] // chunks * cfg.samples_per_prompt
+        offsets = jnp.arange(chunks, dtype=jnp.int32) * per_chunk
+        xs = (split(prompts_BxL), split(prompt_len_B), offsets)
+        if forced_BxS is not None:
+            xs += (split(forced_BxS),)
+
+        def one(x):
+            prompts, lengths = sharding.constrain_batch(x[:2])  # a group over every device
+            return rows(prompts, lengths, x[3] if len(x) > 3 else None, x[2])
+
+        out = jax.lax.map(one, xs)
+        return sharding.constrain_batch(jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), out))
+
+    def _sample_rows(
+        self,
+        model,
+        key,
+        lora,
+        head,
+        prompts_BxL,
+        prompt_len_B,
+        forced_BxS=None,
+        row_offset=None,
+        *,
+        cfg,
+        spec,
+        lora_scale,
+        prune=None,
+    ):
+        """The rollout of one group of prompts; its rows are rows row_offset + [0, B) of
+        the call's batch (their PRNG streams)."""
         n = cfg.samples_per_prompt
         b0, l = prompts_BxL.shape
         sizes = buffer_schedule(l, cfg.max_new_tokens, spec.page_size, cfg.grow_buffer_from)
@@ -318,6 +376,8 @@ class Sampler:
             prompts_BxL, prompt_len_B = rep(prompts_BxL), rep(prompt_len_B)
         b = b0 * n
         source = jnp.arange(b, dtype=jnp.int32)
+        if row_offset is not None:
+            source = source + row_offset
 
         tokens = jnp.full((b, s), cfg.pad_id, jnp.int32).at[:, :l].set(prompts_BxL)
         tokens = jnp.where(jnp.arange(s)[None] < prompt_len_B[:, None], tokens, cfg.pad_id)
@@ -373,7 +433,7 @@ class Sampler:
                     top[1].at[rows, write_pos_B].set(ids),
                 )
             rs["ncomp"] = rs["ncomp"] + (~done).astype(jnp.int32)
-            rs["done"] = done | (tok == cfg.eos_id)
+            rs["done"] = done | is_stop(tok, cfg)
             return rs
 
         rs = emit(rs, logits, jnp.int32(0), prompt_len_B)
@@ -503,6 +563,14 @@ class PruneRecord:
     scores: jax.Array  # f32 [B, C]: the head's P(reward = 1) when the row was scored
     scored: jax.Array  # bool [B, C]: the row was a group row scored at checkpoint c
     tokens_generated: jax.Array  # int32 []: completion tokens decoded, pruned rows' too
+
+
+def is_stop(tok: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """Where `tok` ends its row: eos_id or one of stop_ids."""
+    stop = tok == cfg.eos_id
+    for i in cfg.stop_ids:
+        stop = stop | (tok == i)
+    return stop
 
 
 def completion_view(rollout: Rollout, pad_id: int):

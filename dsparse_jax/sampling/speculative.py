@@ -61,6 +61,7 @@ from dsparse_jax.sampling.sampler import (
     Rollout,
     SamplingConfig,
     buffer_length,
+    is_stop,
     sample_token,
     sampling_logprobs,
     scaled_logits,
@@ -175,7 +176,7 @@ def _draft_head(ctx, x: DraftIn) -> DraftOut:
     head, model, cfg = ctx["head"], ctx["model"], ctx["cfg"]
     k, s = ctx["speculative_cfg"].draft_tokens, x.tokens.shape[1]
     cache, g_BxD = x.head
-    embed = model.embed[...]
+    embed = model.unembedding()
 
     def step(carry, j):
         tok_B, g_B, cache, key = carry
@@ -435,7 +436,7 @@ class SpeculativeSampler:
                 "logq": jnp.zeros((b, s), jnp.float32),
             }
         ncomp = jnp.ones((b,), jnp.int32)
-        done = (tok == cfg.eos_id) | (cfg.max_new_tokens <= 1)
+        done = is_stop(tok, cfg) | (cfg.max_new_tokens <= 1)
         stats = SpeculativeStats(
             jnp.zeros((b,), jnp.int32),
             jnp.zeros((b,), jnp.int32),
@@ -466,7 +467,7 @@ class SpeculativeSampler:
             a, nxt, ok = rejection.accept(logp, out.drafts, out.probs, num, k_acc, greedy)
             drafts_pad = jnp.concatenate([out.drafts, out.drafts[:, :1]], axis=1)
             new = jnp.where(offs < a[:, None], drafts_pad, nxt[:, None])  # valid at j <= a
-            is_eos = (new == cfg.eos_id) & (offs <= a[:, None])
+            is_eos = is_stop(new, cfg) & (offs <= a[:, None])
             n_new = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1) + 1, a + 1)
             n_new = jnp.where(done, 0, n_new)
             live = offs < n_new[:, None]

@@ -1,8 +1,9 @@
 """Everything a run builds once from its config: task, tokenizer, model graph, sampler.
 
 The task comes from config.data.source (default synthetic:chain, the embedded task with
-its char tokenizer and a random init); a real dataset (jsonl: / parquet: / hf_disk: / tfds:) uses a
-Gemma tokenizer.model (config.tokenizer.path, default <model.checkpoint_dir>/tokenizer.model)
+its char tokenizer and a random init); a real dataset (jsonl: / parquet: / hf_disk: / tfds:) uses
+the checkpoint's tokenizer (config.tokenizer.path, default <model.checkpoint_dir>: its
+tokenizer.json and chat template, else Gemma's tokenizer.model; data/tokenizers/load.py)
 and, with model.checkpoint_dir set, shapes and weights from a Hugging Face checkpoint.
 docs/real_models.md.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 
 import jax
 from flax import nnx
@@ -24,7 +24,8 @@ from dsparse_jax.data.math_task import build_tokenizer
 from dsparse_jax.data.rewards.rewarder import Rewarder
 from dsparse_jax.data.task import Task
 from dsparse_jax.data.tokenizers.base import Tokenizer
-from dsparse_jax.data.tokenizers.gemma import GemmaTokenizer
+from dsparse_jax.data.tokenizers.hf import HFTokenizer
+from dsparse_jax.data.tokenizers.load import load_tokenizer
 from dsparse_jax.model import hf_checkpoint
 from dsparse_jax.model.config import ModelConfig, preset
 from dsparse_jax.model.lora import LoRAConfig, parse_targets
@@ -40,7 +41,7 @@ class RunContext:
 
     config: object  # the ml_collections ConfigDict
     task: Task
-    tok: Tokenizer
+    tok: Tokenizer | HFTokenizer  # the task's char tokenizer, or load_tokenizer's
     model_cfg: ModelConfig
     graphdef: object
     init_params: object  # nnx.State of a freshly initialised model (also a template)
@@ -97,11 +98,14 @@ def _data_task(config):
             "only; real datasets start RL from a checkpoint (sft.enabled=False)"
         )
     d, ckpt = config.data, config.model.get("checkpoint_dir", "")
-    path = config.tokenizer.path or (os.path.join(ckpt, "tokenizer.model") if ckpt else "")
+    path = config.tokenizer.path or ckpt
     if not path:
-        raise ConfigError("config.tokenizer.path: a real dataset needs a Gemma tokenizer.model")
+        raise ConfigError(
+            "config.tokenizer.path: a real dataset needs a tokenizer (a directory holding "
+            "tokenizer.json or tokenizer.model)"
+        )
     with _user_input("tokenizer.path"):
-        tok = GemmaTokenizer.load(path, chat=config.tokenizer.chat)
+        tok = load_tokenizer(path, chat=config.tokenizer.chat)
     scfg = sources.SourceConfig(
         question_field=d.question_field,
         answer_field=d.answer_field,

@@ -61,7 +61,7 @@ def _policy_targets(params, tokens_BxT, graphdef, layers, temperature):
     logits, hiddens = model.forward(tokens_BxT, hidden_at=layers)
     emb = model.embed_tokens(tokens_BxT)
     logp = jax.nn.log_softmax(logits / temperature, axis=-1)
-    out = (hiddens, emb, logp, model.embed[...])
+    out = (hiddens, emb, logp, model.unembedding())
     return jax.tree.map(jax.lax.stop_gradient, out)
 
 

@@ -9,6 +9,7 @@ each sample's vote by the head's P(correct) (docs/pruning.md)."""
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +22,13 @@ from dsparse_jax.data.rewards.rewarder import Rewarder
 from dsparse_jax.data.task import Problem, Task
 from dsparse_jax.data.tokenizers.base import Tokenizer
 from dsparse_jax.model import quality_head
+from dsparse_jax.report.metrics import Progress
 from dsparse_jax.sampling.sampler import Sampler, SamplingConfig
 from dsparse_jax.train import rollouts
+
+# An evaluation running longer than this prints a progress line per batch (unless the
+# caller counts batches itself with on_batch).
+PROGRESS_AFTER_S = 5.0
 
 
 class Evaluator:
@@ -62,9 +68,19 @@ class Evaluator:
         weigh=None,
     ):
         """(completions [P][k], rewards [P, k]) of cfg.samples_per_prompt samples of
-        every eval problem; on_batch() is called after each batch (progress). weigh:
-        rollout -> numpy [rows], then also (..., weights [P, k])."""
+        every eval problem; on_batch() is called after each batch (progress; without it
+        an evaluation longer than PROGRESS_AFTER_S prints its own). weigh: rollout ->
+        numpy [rows], then also (..., weights [P, k])."""
         spec = self.spec if spec is None else spec
+        progress = None
+        if on_batch is None:
+            progress = Progress(
+                f"eval {len(self.problems)} problems x {cfg.samples_per_prompt}",
+                self.num_batches(),
+                after_s=PROGRESS_AFTER_S,
+            )
+            done = itertools.count(1)
+            on_batch = lambda: progress.update(next(done), {})  # noqa: E731
         texts, reward_rows, weight_rows = [], [], []
         for start in range(0, len(self.problems), self.batch_size):
             chunk = self.problems[start : start + self.batch_size]
@@ -88,8 +104,9 @@ class Evaluator:
                 w = np.asarray(weigh(rolled.rollout)).reshape(len(chunk) + pad, k)
                 weight_rows.append(w[: len(chunk)])
             texts += [t[i * k : (i + 1) * k] for i in range(len(chunk))]
-            if on_batch is not None:
-                on_batch()
+            on_batch()
+        if progress is not None:
+            progress.close()
         if weigh is not None:
             return texts, np.concatenate(reward_rows), np.concatenate(weight_rows)
         return texts, np.concatenate(reward_rows)

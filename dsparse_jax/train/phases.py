@@ -22,7 +22,10 @@ TrainState (trainables.Trainable), updated with the entry's own transform.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
+import threading
 import time
 from typing import Any, NamedTuple
 
@@ -56,18 +59,49 @@ from dsparse_jax.train.rl_state import RL_DATA_OFFSET, RLSetup
 from dsparse_jax.train.rollouts import score as grade
 from dsparse_jax.train.trainables import Trainable, TrainState
 
+# A phase running longer than this says so on stderr, and again every PROGRESS_EVERY_S
+# (a real model's rollout can take minutes with nothing else printed).
+PROGRESS_AFTER_S, PROGRESS_EVERY_S = 10.0, 30.0
+
+
+@contextlib.contextmanager
+def still_running(what: str, after_s: float = PROGRESS_AFTER_S, every_s: float = PROGRESS_EVERY_S):
+    """While the block runs: '[<what>] running, 10 s' on stderr after after_s, then every
+    every_s (process 0 only; a timer thread, nothing on the device)."""
+    t0, done = time.time(), threading.Event()
+
+    def tell():
+        wait = after_s
+        while not done.wait(wait):
+            print(f"[{what}] running, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+            wait = every_s
+
+    thread = None
+    if jax.process_index() == 0:
+        thread = threading.Thread(target=tell, daemon=True)
+        thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        if thread is not None:
+            thread.join()
+
 
 class PhaseLog:
-    """Times every phase the same way and collects its metrics."""
+    """Times every phase the same way and collects its metrics; a phase longer than
+    PROGRESS_AFTER_S prints that it is still running (`label`: e.g. "rl step 3")."""
 
-    def __init__(self):
+    def __init__(self, label: str = "rl"):
         self.metrics: dict = {}
         self.times: dict = {}
+        self.label = label
 
     def run(self, name: str, phase, *args):
         t = time.time()
-        out, metrics = phase(*args)
-        jax.block_until_ready(out)
+        with still_running(f"{self.label} {name}"):
+            out, metrics = phase(*args)
+            jax.block_until_ready(out)
         self.times[f"time_{name}"] = time.time() - t
         self.metrics.update(metrics)
         return out
@@ -128,7 +162,7 @@ def rl_step(
             rng = setup.plan.replicate(rng)
         k_roll, k_select, k_theta, k_phi = jax.random.split(rng, 4)
         k_draft = jax.random.fold_in(k_phi, 1)
-        log = PhaseLog()
+        log = PhaseLog(f"rl step {step + 1}")
         gen = log.run("rollout", rollout, ctx, setup, st, k_roll, step)
         faults.maybe_kill("rl_rollout", step + 1)
         scored = log.run("score", score, ctx, setup, gen, step)
@@ -309,7 +343,15 @@ def rollout(
         )
         return Generated(batch_problems, r, record), {}
     r = ctx.sampler(
-        st.theta.params, prompts, lengths, key, scfg, setup.rollout_spec, st.lora, setup.lora_scale
+        st.theta.params,
+        prompts,
+        lengths,
+        key,
+        scfg,
+        setup.rollout_spec,
+        st.lora,
+        setup.lora_scale,
+        chunks=setup.rollout_chunks,
     )
     return Generated(batch_problems, r), {}
 

@@ -26,7 +26,7 @@ from dsparse_jax.data import batches
 from dsparse_jax.errors import UserError
 from dsparse_jax.reliability import checkpoints, faults
 from dsparse_jax.report.metrics import MetricsWriter, Progress
-from dsparse_jax.train import phases
+from dsparse_jax.train import memory_plan, phases
 from dsparse_jax.train.context import RunContext
 from dsparse_jax.train.phases import rl_step
 from dsparse_jax.train.rl_state import (
@@ -181,7 +181,7 @@ def warm_start_phi(ctx: RunContext, setup: RLSetup, st: TrainState, writer) -> T
     progress = Progress("phi_warmup", total, every=ctx.config.log.every)
     key = jax.random.key(ctx.config.seed + 7)
     for i in range(total):
-        log = phases.PhaseLog()
+        log = phases.PhaseLog("phi_warmup")
         phi.phi = log.run(
             "phi_warmup", phases.warmup_phi, ctx, warm, phi, jax.random.fold_in(key, i), i
         )
@@ -192,9 +192,29 @@ def warm_start_phi(ctx: RunContext, setup: RLSetup, st: TrainState, writer) -> T
     return dataclasses.replace(st, phi=dataclasses.replace(st.phi, params=phi.lora))
 
 
-def train_rl(ctx: RunContext, workdir: str, sft_params, writer: MetricsWriter):
+def plan_memory(ctx: RunContext, setup: RLSetup | None = None) -> memory_plan.Plan:
+    """The run's device memory plan (train/memory_plan.py), printed in one line (and a
+    warning per update whose estimate passes the limit); a UserError naming the field to
+    change when no rollout chunk fits."""
+    plan = memory_plan.for_run(ctx, setup or make_setup(ctx))
+    print(f"[memory] {plan.line()}", flush=True)
+    for warning in plan.warnings():
+        print(f"[memory] warning: {warning}", flush=True)
+    return plan
+
+
+def train_rl(
+    ctx: RunContext,
+    workdir: str,
+    sft_params,
+    writer: MetricsWriter,
+    plan: memory_plan.Plan | None = None,
+):
+    """RL from `sft_params`; `plan`: the run's memory plan (plan_memory) if already made."""
     c = ctx.config.rl
     setup = make_setup(ctx)
+    plan = plan or plan_memory(ctx, setup)
+    setup = dataclasses.replace(setup, rollout_chunks=plan.chunks)
     st = init_state(ctx, setup, sft_params)
     rng = jax.random.key(ctx.config.seed + 1)
     if setup.plan is not None:  # replicated on the mesh, like every checkpointed array

@@ -133,6 +133,9 @@ class RLSetup:
     pruning: Pruning | None  # rl.prune.enabled
     drafting: Drafting | None  # rollout_mode=speculative
     num_samples: int  # log.num_samples: prompts of each step recorded in samples.jsonl
+    # The rollout in this many sequential chunks of whole prompts (Sampler's chunks):
+    # rl.rollout_chunk_rows, or the memory plan's choice (train/memory_plan.py).
+    rollout_chunks: int
     # select
     n: int  # kept samples per prompt (GRPO group)
     selection: Selection
@@ -255,6 +258,9 @@ def make_setup(ctx: RunContext) -> RLSetup:
         pruning=pruning_from(c, ctx.model_cfg.d_model),
         drafting=drafting_from(ctx, mode),
         num_samples=ctx.config.log.num_samples,
+        rollout_chunks=c.prompts_per_step * m // c.rollout_chunk_rows
+        if c.rollout_chunk_rows
+        else 1,
         n=n,
         selection=Selection(c.selection, c.acceptance_C, c.scale_adv_by_std),
         recompute=recompute.Settings(

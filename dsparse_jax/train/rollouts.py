@@ -25,8 +25,8 @@ from dsparse_jax.sampling.sampler import PruneRecord, Rollout, SamplingConfig, c
 def sampling_config(
     ctx, temperature: float, samples: int = 1, grow_buffer_from: int = 0
 ) -> SamplingConfig:
-    """The SamplingConfig of the run's task: its completion budget, the tokenizer's EOS and
-    pad, `samples` per prompt at `temperature` (0: greedy)."""
+    """The SamplingConfig of the run's task: its completion budget, the tokenizer's EOS, its
+    other stop tokens and pad, `samples` per prompt at `temperature` (0: greedy)."""
     return SamplingConfig(
         max_new_tokens=ctx.task.completion_budget(),
         eos_id=ctx.tok.eos_id,
@@ -34,6 +34,7 @@ def sampling_config(
         temperature=temperature,
         samples_per_prompt=samples,
         grow_buffer_from=grow_buffer_from,
+        stop_ids=tuple(sorted(ctx.tok.stop_ids - {ctx.tok.eos_id})),
     )
 
 

@@ -92,9 +92,12 @@ def main(config, workdir: str, sft_only: bool = False) -> dict:
         }
     writer = MetricsWriter(log_dir, tensorboard=config.log.tensorboard, wandb=wandb)
     try:
+        # The RL step's device memory, before the warm start and any compile: a config
+        # that cannot fit at any rollout chunk size stops here (a UserError naming a field).
+        plan = None if sft_only else rl_loop.plan_memory(ctx)
         sft_params, sft_acc = sft.warm_start(ctx, workdir, writer)
         if not sft_only:
-            rl_loop.train_rl(ctx, workdir, sft_params, writer)
+            rl_loop.train_rl(ctx, workdir, sft_params, writer, plan)
     finally:
         writer.close()
         ctx.rewarder.close()

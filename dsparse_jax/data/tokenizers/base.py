@@ -3,20 +3,41 @@
 Special ids are the same for every model trained here: pad=0, unk=1, bos=2, eos=3.
 Text is not normalized (identity rule, no dummy prefix, whitespace kept), so
 `decode(encode(text)) == text` for any text made of characters the model knows.
+The batch helpers (`encode_batch`, `decode_batch`) are written over any tokenizer's
+`encode`, `decode` and `pad_id`: `hf.HFTokenizer` uses them too.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import sentencepiece as spm
 
+from dsparse_jax.data.tokenizers import hf_files
+
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 MODEL_TYPES = ("char", "bpe", "unigram")
+
+# The chat template written with a tokenizer whose prompts are plain text (this char
+# tokenizer, a Gemma base model): BOS, then the messages' contents, stripped, joined by
+# blank lines, then a newline; system messages first, merged into the first user
+# message. The Jinja twin of gemma.render_chat(messages, chat=False).
+PLAIN_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- set system = messages | selectattr('role', 'equalto', 'system')"
+    " | map(attribute='content') | join('\\n\\n') -%}"
+    "{%- set turns = messages | rejectattr('role', 'equalto', 'system') | list -%}"
+    "{%- set lead = system and (not turns or turns[0]['role'] != 'user') -%}"
+    "{%- if lead -%}{{ system | trim }}{{ '\\n\\n' if turns else '\\n' }}{%- endif -%}"
+    "{%- for m in turns -%}"
+    "{%- set c = system + '\\n\\n' + m['content'] if loop.first and system and not lead"
+    " else m['content'] -%}"
+    "{{ c | trim }}{{ '\\n' if loop.last else '\\n\\n' }}"
+    "{%- endfor -%}"
+)
 
 
 class Tokenizer:
@@ -57,6 +78,11 @@ class Tokenizer:
         return self._sp.eos_id()
 
     @property
+    def stop_ids(self) -> frozenset[int]:
+        """The tokens that end a completion (the sampler's and decode's): eos."""
+        return frozenset({self.eos_id})
+
+    @property
     def processor(self) -> spm.SentencePieceProcessor:
         return self._sp
 
@@ -77,28 +103,8 @@ class Tokenizer:
         pad_to: int | None = None,
         pad_side: str = "right",
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Encodes and pads texts: returns ids int32 [B, L] and lengths int32 [B].
-
-        L is `pad_to` if given, else the longest encoding. `pad_side='right'` puts
-        the tokens at columns [0, len), 'left' at [L - len, L).
-        """
-        if pad_side not in ("right", "left"):
-            raise ValueError(f"pad_side must be 'right' or 'left', got {pad_side!r}")
-        if pad_to is not None and pad_to < 0:
-            raise ValueError(f"pad_to must be >= 0, got {pad_to}")
-        seqs = [self.encode(t, add_bos=add_bos, add_eos=add_eos) for t in texts]
-        lengths = np.array([len(s) for s in seqs], dtype=np.int32)
-        width = pad_to if pad_to is not None else int(lengths.max(initial=0))
-        for i, s in enumerate(seqs):
-            if len(s) > width:
-                raise ValueError(f"text {i} encodes to {len(s)} tokens, more than pad_to={width}")
-        ids = np.full((len(seqs), width), self.pad_id, dtype=np.int32)
-        for i, s in enumerate(seqs):
-            if s and pad_side == "right":
-                ids[i, : len(s)] = s
-            elif s:
-                ids[i, width - len(s) :] = s
-        return ids, lengths
+        """Encodes and pads texts: ids int32 [B, L] and lengths int32 [B] (`encode_batch`)."""
+        return encode_batch(self, texts, add_bos, add_eos, pad_to, pad_side)
 
     # -- decoding ------------------------------------------------------------
 
@@ -121,14 +127,7 @@ class Tokenizer:
         self, ids_2d: np.ndarray, lengths: Sequence[int] | np.ndarray | None = None
     ) -> list[str]:
         """Decodes each row; with `lengths`, row i is cut to `row[:lengths[i]]` first."""
-        rows = np.asarray(ids_2d)
-        if rows.ndim != 2:
-            raise ValueError(f"ids_2d must be 2-D, got shape {rows.shape}")
-        if lengths is not None and len(lengths) != rows.shape[0]:
-            raise ValueError(f"got {len(lengths)} lengths for {rows.shape[0]} rows")
-        if lengths is None:
-            return [self.decode(row) for row in rows]
-        return [self.decode(row[: int(n)]) for row, n in zip(rows, lengths)]
+        return decode_batch(self, ids_2d, lengths)
 
     # -- persistence ---------------------------------------------------------
 
@@ -137,32 +136,10 @@ class Tokenizer:
         return self._sp.serialized_model_proto()
 
     def save_hf(self, out_dir: str | os.PathLike) -> list[str]:
-        """tokenizer.model + tokenizer_config.json + special_tokens_map.json, loadable by
-        transformers' (slow, SentencePiece) GemmaTokenizer. Returns the files written."""
-        os.makedirs(out_dir, exist_ok=True)
-        self.save(os.path.join(out_dir, "tokenizer.model"))
-        special = {
-            "bos_token": self.id_to_piece(self.bos_id),
-            "eos_token": self.id_to_piece(self.eos_id),
-            "pad_token": self.id_to_piece(self.pad_id),
-            "unk_token": self.id_to_piece(self.unk_id),
-        }
-        config = {
-            "tokenizer_class": "GemmaTokenizer",
-            "add_bos_token": True,
-            "add_eos_token": False,
-            "clean_up_tokenization_spaces": False,
-            "model_max_length": 1_000_000,
-            "sp_model_kwargs": {},
-            **special,
-        }
-        for name, content in (
-            ("tokenizer_config.json", config),
-            ("special_tokens_map.json", special),
-        ):
-            with open(os.path.join(out_dir, name), "w") as f:
-                json.dump(content, f, indent=2)
-        return ["tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"]
+        """Hugging Face tokenizer files (tokenizer.json, tokenizer_config.json with a chat
+        template: prompts as plain text after BOS, tokenizer.model, generation_config.json),
+        loadable by transformers' AutoTokenizer, fast or slow. Returns the files written."""
+        return hf_files.write_sentencepiece(self, out_dir, PLAIN_TEMPLATE)
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the model proto to `path`, creating parent directories."""
@@ -190,6 +167,52 @@ class Tokenizer:
         except (RuntimeError, OSError) as e:
             raise ValueError(f"not a SentencePiece model proto: {e}") from e
         return cls(sp)
+
+
+def encode_batch(
+    tok,
+    texts: Sequence[str],
+    add_bos: bool = False,
+    add_eos: bool = False,
+    pad_to: int | None = None,
+    pad_side: str = "right",
+) -> tuple[np.ndarray, np.ndarray]:
+    """`tok`'s encodings of texts, padded with its pad_id: ids int32 [B, L], lengths [B].
+
+    L is `pad_to` if given, else the longest encoding. `pad_side='right'` puts
+    the tokens at columns [0, len), 'left' at [L - len, L).
+    """
+    if pad_side not in ("right", "left"):
+        raise ValueError(f"pad_side must be 'right' or 'left', got {pad_side!r}")
+    if pad_to is not None and pad_to < 0:
+        raise ValueError(f"pad_to must be >= 0, got {pad_to}")
+    seqs = [tok.encode(t, add_bos=add_bos, add_eos=add_eos) for t in texts]
+    lengths = np.array([len(s) for s in seqs], dtype=np.int32)
+    width = pad_to if pad_to is not None else int(lengths.max(initial=0))
+    for i, s in enumerate(seqs):
+        if len(s) > width:
+            raise ValueError(f"text {i} encodes to {len(s)} tokens, more than pad_to={width}")
+    ids = np.full((len(seqs), width), tok.pad_id, dtype=np.int32)
+    for i, s in enumerate(seqs):
+        if s and pad_side == "right":
+            ids[i, : len(s)] = s
+        elif s:
+            ids[i, width - len(s) :] = s
+    return ids, lengths
+
+
+def decode_batch(
+    tok, ids_2d: np.ndarray, lengths: Sequence[int] | np.ndarray | None = None
+) -> list[str]:
+    """`tok.decode` of each row; with `lengths`, row i is cut to `row[:lengths[i]]` first."""
+    rows = np.asarray(ids_2d)
+    if rows.ndim != 2:
+        raise ValueError(f"ids_2d must be 2-D, got shape {rows.shape}")
+    if lengths is not None and len(lengths) != rows.shape[0]:
+        raise ValueError(f"got {len(lengths)} lengths for {rows.shape[0]} rows")
+    if lengths is None:
+        return [tok.decode(row) for row in rows]
+    return [tok.decode(row[: int(n)]) for row, n in zip(rows, lengths)]
 
 
 def train_tokenizer(

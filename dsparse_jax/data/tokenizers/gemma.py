@@ -9,6 +9,8 @@ Gemma ids: pad 0, eos 1, bos 2, unk 3; the chat turn markers `<start_of_turn>` a
 ends its turn with `<end_of_turn>`, so with `chat=True` that piece is the stop token the
 sampler sees as `eos_id` (decoding stops at it or at `<eos>`). The special markers are
 inserted by id, whether or not the SentencePiece model itself recognises them in text.
+`save_hf` writes the tokenizer with CHAT_TEMPLATE, the Jinja twin of `render_chat`, so
+transformers' `apply_chat_template` gives the ids of our prompts.
 """
 
 from __future__ import annotations
@@ -21,13 +23,31 @@ from collections.abc import Iterable
 import numpy as np
 import sentencepiece as spm
 
-from dsparse_jax.data.tokenizers.base import Tokenizer
+from dsparse_jax.data.tokenizers import hf_files
+from dsparse_jax.data.tokenizers.base import PLAIN_TEMPLATE, Tokenizer
 
 START_OF_TURN = "<start_of_turn>"
 END_OF_TURN = "<end_of_turn>"
 CHAT_TOKENS = (START_OF_TURN, END_OF_TURN)
 MATH_INSTRUCTION = (
     "Solve the following math problem step by step. Put your final answer within \\boxed{}."
+)
+# render_chat(messages) as a Jinja chat template (BOS first: transformers tokenizes the
+# rendered text without adding special tokens).
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- set system = messages | selectattr('role', 'equalto', 'system')"
+    " | map(attribute='content') | join('\\n\\n') -%}"
+    "{%- set turns = messages | rejectattr('role', 'equalto', 'system') | list -%}"
+    "{%- set lead = system and (not turns or turns[0]['role'] != 'user') -%}"
+    "{%- if lead -%}{{ '<start_of_turn>user\\n' + system + '<end_of_turn>\\n' }}{%- endif -%}"
+    "{%- for m in turns -%}"
+    "{%- set c = system + '\\n\\n' + m['content'] if loop.first and system and not lead"
+    " else m['content'] -%}"
+    "{%- set role = 'model' if m['role'] == 'assistant' else m['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + c + '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
 )
 
 
@@ -95,6 +115,16 @@ class GemmaTokenizer(Tokenizer):
             ids.add(self.special[END_OF_TURN])
         return frozenset(ids)
 
+    def render_chat(self, messages: list[dict], chat: bool = True) -> str:
+        """The prompt of chat messages: Gemma turns (module `render_chat`)."""
+        return render_chat(messages, chat)
+
+    def math_prompt(
+        self, question: str, instruction: str = MATH_INSTRUCTION, chat: bool = True
+    ) -> str:
+        """Instruction + question as a prompt (module `math_prompt`)."""
+        return math_prompt(question, instruction, chat)
+
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         """Token ids; chat markers in the text become their single special ids."""
         ids = [self._sp.bos_id()] if add_bos else []
@@ -119,6 +149,12 @@ class GemmaTokenizer(Tokenizer):
                 continue
             out.append(i if 0 <= i < self.vocab_size else self.unk_id)
         return self._sp.decode(out)
+
+    def save_hf(self, out_dir: str | os.PathLike) -> list[str]:
+        """Hugging Face tokenizer files (base.Tokenizer.save_hf) with CHAT_TEMPLATE (chat)
+        or the plain one; generation_config.json lists `stop_ids`."""
+        template = CHAT_TEMPLATE if self.chat else PLAIN_TEMPLATE
+        return hf_files.write_sentencepiece(self, out_dir, template)
 
     @classmethod
     def load(cls, path: str | os.PathLike, chat: bool = True) -> GemmaTokenizer:
