@@ -121,8 +121,8 @@ def test_wandb_offline(tmp_path, monkeypatch):
 def test_a_long_phase_says_it_is_still_running(capsys):
     from dsparse_jax.train import phases
 
-    with phases.still_running("rl step 3 rollout", after_s=0.2, every_s=0.2):
-        time.sleep(0.7)
+    with phases.still_running("rl step 3 rollout", after_s=0.05, every_s=0.05):
+        time.sleep(1.5)  # ~30 reports; 2 even on a loaded machine
     with phases.still_running("rl step 3 score", after_s=5.0):
         pass  # quick: silent
     lines = capsys.readouterr().err.splitlines()

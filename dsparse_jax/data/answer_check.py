@@ -8,7 +8,7 @@
                                 decimals, fractions, repeating decimals, thousands
                                 separators, $ / % / unit words stripped), element-wise in
                                 order for tuples, intervals and matrices, as sets for
-                                solution lists (comma lists, "or" / "and" lists, a \pm b),
+                                solution lists (comma lists, "or" / "and" lists, a \\pm b),
                                 then symbolic equivalence with sympy (logarithms to any
                                 base, e, pi)
     grade(completion, ref)      extract + is_equivalent
