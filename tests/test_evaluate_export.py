@@ -159,6 +159,40 @@ def test_evaluate_an_exported_checkpoint(workdir, tmp_path):
     assert report["policies"]["dense"]["greedy_accuracy"] == final["greedy_accuracy"]
 
 
+@pytest.mark.slow
+def test_a_run_with_another_model_leaves_the_workdir_as_it_was(workdir):
+    """Another model in an existing workdir stops before writing anything (one line naming
+    the fields, exit 2, no SFT); the earlier run's files are untouched and it still loads.
+    A compatible change (more RL steps) is accepted by the same check."""
+    from dsparse_jax.train import run, trained
+
+    with open(os.path.join(workdir, "config.json"), "rb") as f:
+        before = f.read()
+    res = _run(
+        "train.py",
+        "--config=" + os.path.join(ROOT, "configs", "gemma_math.py"),
+        f"--workdir={workdir}",
+        *TINY,
+        "--config.model.preset=mini",
+        "--config.model.d_model=64",
+        "--config.rl.rollout_mode=dense",
+    )
+    assert res.returncode == 2, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --workdir: ") and "model.d_model (32 -> 64)" in last
+    assert "rl.rollout_mode ('distillsparse' -> 'dense')" in last and "[sft]" not in res.stdout
+    with open(os.path.join(workdir, "config.json"), "rb") as f:
+        assert f.read() == before
+    config = trained.workdir_config(workdir)
+    from dsparse_jax.train import context
+
+    ctx = context.build(config)
+    ctx.rewarder.close()
+    assert trained.load(ctx, workdir).source == "rl step 1"
+    config.rl.num_steps, config.eval.every = 2, 5
+    run.check_workdir(workdir, config)  # compatible: no error
+
+
 def test_eval_files_are_named_by_their_data():
     spec = importlib.util.spec_from_file_location(
         "evaluate", os.path.join(ROOT, "launch", "evaluate.py")

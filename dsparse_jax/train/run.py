@@ -12,6 +12,8 @@ import jax
 from dsparse_jax.config import schema
 from dsparse_jax.config.validate import field_error, validate
 from dsparse_jax.errors import UserError
+from dsparse_jax.model import hf_checkpoint
+from dsparse_jax.model.config import preset
 from dsparse_jax.parallel import distributed, sharding
 from dsparse_jax.report.metrics import MetricsWriter, read_metrics
 from dsparse_jax.train import context, rl_loop, sft
@@ -45,15 +47,97 @@ def backend_warning(model_dtype: str, backend: str) -> str | None:
 
 
 def write_config(workdir: str, config, model_cfg=None) -> None:
-    """<workdir>/config.json; with the built model's config, model.* holds the resolved
-    values (the preset's where the config left a field unset)."""
+    """<workdir>/config.json, written atomically; with the built model's config, model.*
+    holds the resolved values (the preset's where the config left a field unset)."""
     if model_cfg is not None:
         config = copy.deepcopy(config)
         for name in schema.MODEL_FIELDS:
             value = getattr(model_cfg, name)
             config.model[name] = ",".join(value) if name == "layer_pattern" else value
-    with open(os.path.join(workdir, "config.json"), "w") as f:
+    path = os.path.join(workdir, "config.json")
+    with open(path + ".tmp", "w") as f:
         f.write(config.to_json_best_effort(indent=2))
+    os.replace(path + ".tmp", path)
+
+
+# What a workdir's checkpoints depend on: a run with another value of any of these cannot
+# resume them (sections: every field in them). Everything else (steps, evaluation,
+# logging, learning rates) may change on resume.
+IDENTITY = (
+    "model",
+    "tokenizer",
+    "task",
+    "lora.rank",
+    "lora.targets",
+    "lora.layers",
+    "rl.rollout_mode",
+    "rl.draft",
+    "data.source",
+)
+
+
+def _flat(section, prefix: str) -> dict:
+    if isinstance(section, dict):
+        return {
+            k: v for name, sub in section.items() for k, v in _flat(sub, f"{prefix}.{name}").items()
+        }
+    return {prefix: section}
+
+
+def _resolved_model(config) -> dict:
+    """{"model.<field>": value} of the model `config` builds (the preset and its overrides,
+    or the checkpoint's config.json), as config.json records them; vocab_size only where
+    set (else it is the tokenizer's). {} where it cannot be read here."""
+    c = config.model
+    try:
+        if c.get("checkpoint_dir", ""):
+            cfg = hf_checkpoint.load_model_config(c.checkpoint_dir)
+        else:
+            cfg = preset(c.preset, **schema.model_overrides(c))
+    except (OSError, ValueError, TypeError):
+        return {}  # the run's own checks report it
+    out = {}
+    for name in schema.MODEL_FIELDS:
+        value = getattr(cfg, name)
+        if name == "vocab_size" and c.get("vocab_size") is None:
+            continue
+        out[f"model.{name}"] = ",".join(value) if name == "layer_pattern" else value
+    return out
+
+
+def check_workdir(workdir: str, config) -> None:
+    """Stops (a UserError naming the fields) before anything is written when the workdir
+    holds a run whose config differs from `config` in a field its checkpoints depend on
+    (IDENTITY); unset model fields (None: the preset's) match the recorded values."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            before = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: unreadable ({e}); pass another --workdir") from None
+    now = json.loads(config.to_json_best_effort())
+    old, new = {}, {}
+    for key in IDENTITY:
+        section, _, field = key.partition(".")
+        a, b = before.get(section, {}), now.get(section, {})
+        if field:
+            a, b = {field: a.get(field)} if field in a else {}, {field: b.get(field)}
+        old.update(_flat(a, section))
+        new.update(_flat(b, section))
+    new.update(_resolved_model(config))
+    differ = [
+        f"{k} ({old[k]!r} -> {v!r})"
+        for k, v in new.items()
+        if k in old and v is not None and v != old[k] and k != "model.preset"
+    ]
+    if differ:
+        raise UserError(
+            f"--workdir: {workdir} holds a run with another {', '.join(differ)}, which its "
+            "checkpoints depend on; nothing was changed. Start afresh in another "
+            "--workdir (or resume with the recorded values)"
+        )
 
 
 def main(config, workdir: str, sft_only: bool = False) -> dict:
@@ -65,6 +149,7 @@ def main(config, workdir: str, sft_only: bool = False) -> dict:
     except ValueError as e:
         raise field_error("mesh", e) from None
     prepare_workdir(workdir)
+    check_workdir(workdir, config)  # before anything is written into it
     write_config(workdir, config)
     t0 = time.time()
     ctx = context.build(config)
