@@ -44,6 +44,8 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(rest)
     if not os.path.isdir(args.workdir):
         raise cli.UserError(f"--workdir: no such directory {args.workdir!r}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise cli.UserError(f"--out: {args.out!r} exists and is not a directory")
     if args.dtype not in (None, "float32", "bfloat16"):
         raise cli.UserError(f"--dtype: must be float32 or bfloat16, got {args.dtype!r}")
     from absl import logging

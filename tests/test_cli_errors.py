@@ -66,6 +66,7 @@ def files(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("cli")
     (d / "afile").write_text("x")
+    (d / "data.jsonl").write_text('{"question": "1 + 1?", "answer": "2"}\n')
     gt.train_gemma_like(["user model 0123456789 +-=.,:?"] * 200, vocab_size=300).save(
         d / "tokenizer.model"
     )
@@ -172,9 +173,33 @@ CASES = [
     ("unknown_flag", ["--workdri=runs/x"], "unrecognized arguments: --workdri=runs/x"),
     ("workdir_under_a_file", ["--workdir={d}/afile/run"], "cannot create workdir '{d}/afile/run'"),
     (
-        "checkpoint_of_another_shape",
+        "workdir_of_another_shape",
         ["--workdir={d}/other_shape", *SMALL],
-        "cannot resume from {d}/other_shape/sft: checkpoint tree differs",
+        "--workdir: {d}/other_shape holds a run with another model.d_model (64 -> 128)",
+    ),
+    (
+        "bare_path_missing",
+        ["--config.data.source=/nonexistent/train.parquet", "--config.sft.enabled=false"],
+        "data source 'parquet:/nonexistent/train.parquet': no such file",
+    ),
+    (
+        "bare_path_of_unknown_kind",
+        ["--config.data.source={d}/afile", "--config.sft.enabled=false"],
+        "config.data.source: data source '{d}/afile': expected <scheme>:<target>",
+    ),
+    (
+        "comma_list_with_a_missing_file",
+        [
+            "--config.data.source=jsonl:{d}/data.jsonl,{d}/missing.jsonl",
+            "--config.sft.enabled=false",
+            "--config.tokenizer.path={d}/tokenizer.model",
+        ],
+        "data source jsonl:{d}/missing.jsonl: no such file",
+    ),
+    (
+        "checkpoint_dir_is_a_file",
+        ["--config.model.checkpoint_dir={d}/afile", "--config.sft.enabled=false"],
+        "config.model.checkpoint_dir: '{d}/afile' is not a directory",
     ),
 ]
 

@@ -222,3 +222,9 @@ def test_bad_invocations_are_one_line_errors(tmp_path):
     assert res.returncode == 2 and "no config.json" in res.stderr
     res = _run("evaluate.py")
     assert res.returncode == 2 and "one of the arguments --workdir --checkpoint" in res.stderr
+    (tmp_path / "a_file").write_text("x")
+    res = _run("export.py", f"--workdir={tmp_path}", f"--out={tmp_path}/a_file")
+    assert (
+        res.returncode == 2 and "error: --out: " in res.stderr and "not a directory" in res.stderr
+    )
+    assert "Traceback" not in res.stderr

@@ -141,18 +141,44 @@ def test_parquet_math_fields(tok, tmp_path):
     )
     np.testing.assert_array_equal(r, [1.0, 0.0, 0.0])
     # A wrong explicit field name is a bad record for every row: a clear error.
-    with pytest.raises(ValueError, match="no usable question field \\(question\\)"):
+    with pytest.raises(ValueError, match="data.question_field=.question. is not a field"):
         sources.load_problems(
             f"parquet:{tmp_path}/m.parquet", sources.SourceConfig(question_field="question"), tok
         )
 
 
 def test_uri_errors(tok, tmp_path):
-    for bad in ("gsm8k.jsonl", "csv:/x", "jsonl:"):
+    for bad in ("gsm8k.txt", "csv:/x", "jsonl:"):
         with pytest.raises(ValueError, match="scheme"):
             sources.parse_uri(bad)
     with pytest.raises(FileNotFoundError):
         sources.load_problems(f"jsonl:{tmp_path}/missing.jsonl", sources.SourceConfig(), tok)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        sources.read_records(f"jsonl:{tmp_path}/none_*.jsonl")  # a glob matching nothing
+
+
+def test_paths_as_users_write_them(tok, tmp_path):
+    """A path with a known extension needs no scheme; comma lists and globs are one
+    source, in order; a .json array is read; a string prompt column is the question."""
+    _write_jsonl(tmp_path / "a.jsonl", GSM[:3])
+    _write_jsonl(tmp_path / "b.jsonl", GSM[3:5])
+    assert sources.parse_uri(f"{tmp_path}/a.jsonl") == ("jsonl", f"{tmp_path}/a.jsonl")
+    assert sources.parse_uri("/data/x.parquet")[0] == "parquet"
+    assert sources.parse_uri("/data/x.json")[0] == "jsonl"
+    both = sources.read_records(f"{tmp_path}/a.jsonl,{tmp_path}/b.jsonl")
+    assert both == GSM[:5] == sources.read_records(f"jsonl:{tmp_path}/*.jsonl")
+    (tmp_path / "arr.json").write_text(json.dumps(GSM[:2]))
+    assert sources.read_records(f"{tmp_path}/arr.json") == GSM[:2]
+    rows = [{"prompt": "What is 6 * 7?", "answer": "42", "question": None}]
+    _write_jsonl(tmp_path / "p.jsonl", rows)
+    probs, _ = sources.load_problems(f"{tmp_path}/p.jsonl", sources.SourceConfig(), tok)
+    assert "What is 6 * 7?" in probs[0].prompt and probs[0].answer == "42"
+    with pytest.raises(ValueError, match="data.question_field='question_text' is not a field"):
+        sources.load_problems(
+            f"{tmp_path}/b.jsonl",
+            sources.SourceConfig(question_field="question_text", max_bad_fraction=0.0),
+            tok,
+        )
 
 
 def test_tfds_missing_is_a_clear_error(tok, monkeypatch):
@@ -242,7 +268,7 @@ def test_real_data_context_from_exported_checkpoint(tok, tmp_path):
         context.build(c)
     c.sft.enabled = False
     ctx = context.build(c)
-    assert ctx.model_cfg == cfg.replace(query_scale=cfg.scale)
+    assert ctx.model_cfg == cfg.replace(query_scale=cfg.scale, family=cfg.arch.name)
     assert len(ctx.task.eval) == 4 and len(ctx.task.train) == 46
     jax.tree.map(
         np.testing.assert_array_equal, nnx.to_pure_dict(ctx.init_params), nnx.to_pure_dict(params)

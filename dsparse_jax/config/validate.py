@@ -127,6 +127,13 @@ def validate(c) -> None:
     )
     for f in ("model.param_dtype", "model.dtype"):
         _check(_get(c, f) in ("float32", "bfloat16"), f, "must be float32 or bfloat16")
+    ckpt = c.model.get("checkpoint_dir", "")
+    _check(
+        not ckpt or os.path.isdir(ckpt),
+        "model.checkpoint_dir",
+        f"{ckpt!r} is not a directory (a Hugging Face checkpoint directory: config.json, "
+        "*.safetensors, its tokenizer files)",
+    )
     for f in (
         "task.num_vars",
         "task.num_terms",

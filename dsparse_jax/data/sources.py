@@ -9,6 +9,11 @@
                             data.eval_split is read); local only, read with pyarrow, the
                             `datasets` package is not needed
     tfds:<name>[/<config>]  a prepared TFDS dataset under a local data_dir (no download)
+    <path>                  without a scheme: .parquet -> parquet, .jsonl / .json (lines, or
+                            one JSON array) -> jsonl, a save_to_disk directory -> hf_disk
+
+A file target may be a comma list or a glob of files (train-*.parquet): one source, read
+in order.
 
 Records are dicts; the question and answer fields are configurable (GSM8K: question /
 answer "... #### N"; MATH: problem / solution with \\boxed{}; DeepScaleR / Polaris:
@@ -35,6 +40,7 @@ The problems of a dataset become a Task in dataset_task.py.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 import warnings
@@ -74,15 +80,56 @@ class SourceConfig:
             raise ValueError("max_bad_fraction must be in [0, 1]")
 
 
+# A path without a scheme: its kind from its extension, or a save_to_disk directory.
+EXTENSIONS = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl"}
+_HF_DISK_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
+
+
+def _kind_of_path(path: str) -> str | None:
+    ext = os.path.splitext(path)[1].lower()
+    if ext in EXTENSIONS:
+        return EXTENSIONS[ext]
+    if os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in _HF_DISK_FILES):
+        return "hf_disk"
+    return None
+
+
 def parse_uri(uri: str) -> tuple[str, str]:
-    """'jsonl:/data/x.jsonl' -> ('jsonl', '/data/x.jsonl')."""
-    scheme, sep, rest = str(uri).partition(":")
-    if not sep or scheme not in SCHEMES or not rest:
+    """'jsonl:/data/x.jsonl' -> ('jsonl', '/data/x.jsonl'); a path without a scheme takes
+    its kind from its extension (.parquet, .jsonl, .json) or from being a save_to_disk
+    directory. The target may be a comma list or glob of files of that kind (one source)."""
+    text = str(uri).strip()
+    scheme, sep, rest = text.partition(":")
+    if sep and scheme in SCHEMES and rest:
+        return scheme, rest
+    first = text.split(",")[0].strip()
+    kind = _kind_of_path(first) or next(
+        (_kind_of_path(p) for p in sorted(glob.glob(first)) if _kind_of_path(p)), None
+    )
+    if kind is None:
         raise ValueError(
-            f"data source {uri!r}: expected <scheme>:<target> with scheme in "
-            f"{SCHEMES}, e.g. jsonl:/data/gsm8k/train.jsonl or synthetic:chain"
+            f"data source {uri!r}: expected <scheme>:<target> with scheme in {SCHEMES}, or a "
+            ".parquet / .jsonl / .json file or a save_to_disk directory, e.g. "
+            "jsonl:/data/gsm8k/train.jsonl or synthetic:chain"
         )
-    return scheme, rest
+    return kind, text
+
+
+def source_paths(scheme: str, target: str) -> list[str]:
+    """The files of a file-based target: its comma-separated parts, each a path or a glob
+    (sorted); a part that names nothing is a FileNotFoundError naming it."""
+    out = []
+    for part in (p.strip() for p in target.split(",")):
+        if not part:
+            continue
+        found = sorted(glob.glob(part)) if glob.has_magic(part) else [part]
+        exists = os.path.isdir if scheme == "hf_disk" else os.path.isfile
+        missing = [p for p in found if not exists(p)]
+        if not found or missing:
+            what = "directory" if scheme == "hf_disk" else "file"
+            raise FileNotFoundError(f"data source {scheme}:{part}: no such {what}")
+        out += found
+    return out
 
 
 # ------------------------------------------------------------------------------ readers
@@ -94,8 +141,17 @@ class _Bad:
 
 
 def _read_jsonl(path: str) -> list:
+    """JSON lines; a .json file holding one JSON array of records is read too."""
     out = []
     with open(path, encoding="utf-8", errors="replace") as f:
+        if path.lower().endswith(".json") and f.read(1) == "[":
+            f.seek(0)
+            try:
+                records = json.load(f)
+            except json.JSONDecodeError as e:
+                return [_Bad(f"{path}: invalid JSON ({e.msg})")]
+            return list(records)
+        f.seek(0)
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -188,28 +244,39 @@ def _read_tfds(name: str, data_dir: str, split: str) -> list:
 
 
 def read_records(uri: str, cfg: SourceConfig = SourceConfig()) -> list:
-    """Raw records of a jsonl / parquet / tfds source (unreadable ones as _Bad)."""
+    """Raw records of a jsonl / parquet / hf_disk / tfds source (unreadable ones as _Bad);
+    a comma list or glob of files is read as one source, in order."""
     scheme, target = parse_uri(uri)
     if scheme == "synthetic":
         raise ValueError("synthetic sources have no records: use math_task.problems")
-    if scheme in ("jsonl", "parquet") and not os.path.isfile(target):
-        raise FileNotFoundError(f"data source {uri!r}: no such file")
-    if scheme == "hf_disk" and not os.path.isdir(target):
-        raise FileNotFoundError(f"data source {uri!r}: no such directory")
-    if scheme == "jsonl":
-        return _read_jsonl(target)
-    if scheme == "parquet":
-        return _read_parquet(target)
-    if scheme == "hf_disk":
-        return _read_hf_disk(target, cfg.split)
-    return _read_tfds(target, cfg.data_dir, cfg.split)
+    if scheme == "tfds":
+        return _read_tfds(target, cfg.data_dir, cfg.split)
+    read = {
+        "jsonl": _read_jsonl,
+        "parquet": _read_parquet,
+        "hf_disk": lambda p: _read_hf_disk(p, cfg.split),
+    }[scheme]
+    return [r for path in source_paths(scheme, target) for r in read(path)]
 
 
 # ----------------------------------------------------------------------------- problems
 def _field(rec: dict, name: str, candidates) -> str | None:
+    """The field named (if present), else the first candidate holding usable text, else
+    the first present."""
     if name:
         return name if name in rec else None
-    return next((c for c in candidates if c in rec), None)
+    usable = next((c for c in candidates if _text(rec.get(c)) is not None), None)
+    return usable or next((c for c in candidates if c in rec), None)
+
+
+def _missing_field(rec: dict, setting: str, name: str) -> str:
+    """Why a record has no usable `setting` (data.question_field / data.answer_field)."""
+    if name and name not in rec:
+        return (
+            f"data.{setting}={name!r} is not a field of the records (they have "
+            f"{', '.join(sorted(rec)) or 'none'}): set --config.data.{setting}"
+        )
+    return f"no usable {setting.split('_')[0]} field ({name or 'auto'})"
 
 
 def _text(v) -> str | None:
@@ -330,10 +397,12 @@ def to_problems(
         raw_answer = _text(rec.get(af)) if af else None
         answer = answer_check.reference_answer(raw_answer) if raw_answer else ""
         if question is None:
-            reasons.append(f"record {n}: no usable question field ({cfg.question_field or 'auto'})")
+            reasons.append(
+                f"record {n}: {_missing_field(rec, 'question_field', cfg.question_field)}"
+            )
             continue
         if not answer:
-            reasons.append(f"record {n}: no usable answer field ({cfg.answer_field or 'auto'})")
+            reasons.append(f"record {n}: {_missing_field(rec, 'answer_field', cfg.answer_field)}")
             continue
         prompt = _fit(question, cfg, tok)
         if prompt is None:

@@ -187,6 +187,7 @@ def gemma2_2b() -> ModelConfig:
         attn_softcap=50.0,
         final_softcap=30.0,
         qk_norm=False,
+        family="gemma2",
     )
 
 
@@ -205,6 +206,7 @@ def gemma3_1b() -> ModelConfig:
         rope_base_global=1_000_000.0,
         query_scale=256**-0.5,
         qk_norm=True,
+        family="gemma3",
     )
 
 
@@ -224,6 +226,7 @@ def gemma3_4b() -> ModelConfig:
         rope_scale_global=8.0,
         query_scale=256**-0.5,
         qk_norm=True,
+        family="gemma3",
     )
 
 
