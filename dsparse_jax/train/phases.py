@@ -566,10 +566,9 @@ def merge_groups(setup: RLSetup, a: Selected, b: Selected, inf_a, inf_b) -> Sele
         arrays = lambda rec: {k: v for k, v in rec.items() if k != "metrics"}
         recomputed = gather_rows(both(arrays(a.recomputed), arrays(b.recomputed)), rows, plan)
         recomputed["metrics"] = rollout_metrics(recomputed, kept, setup.recompute)
-    ones = lambda x: np.ones(len(x.rewards), np.float32) if x.train_rows is None else x.train_rows
     train_rows = None
-    if a.train_rows is not None:
-        train_rows = np.concatenate([ones(a), ones(b)])[rows]
+    if a.train_rows is not None:  # overlong filtering: every draw's select sets it
+        train_rows = np.concatenate([a.train_rows, b.train_rows])[rows]
     return Selected(
         kept,
         np.concatenate([a.rewards, b.rewards])[rows],
