@@ -4,6 +4,7 @@ meshes (8,1,1), (2,4,1), (2,2,2) matches the single-device step; params, LoRA an
 optimizer states carry the rules' shardings; a sharded checkpoint restores onto another
 mesh shape. docs/scaling.md."""
 
+import dataclasses
 import math
 
 import jax
@@ -157,6 +158,47 @@ def _check_state_shardings(st, mesh):
     # Adam moments follow their parameter.
     mu = st.theta.opt_state[1][0].mu
     assert mu["layers"][1]["mlp"]["gate"][...].sharding.spec == _p(fsdp, tp)
+
+
+def _dynamic_ctx(base_ctx, shape):
+    c = mesh_config(shape)
+    c.rl.dynamic_sampling.enabled, c.rl.dynamic_sampling.max_draws = True, 2
+    c.rl.overlong.buffer, c.rl.overlong.filter = 4, True
+    validate(c)
+    return context.RunContext(**{**base_ctx.__dict__, "config": c})
+
+
+def _first_draw_flat():
+    """fake_score, with one reward for every row of a step's first draw (its groups are all
+    uninformative: dynamic sampling draws again)."""
+    calls = []
+
+    def grade(tok, rollout, problems, rewarder=None, where=""):
+        calls.append(where)
+        scored, texts = fake_score(tok, rollout, problems, rewarder, where)
+        if len(calls) == 1:
+            scored = dataclasses.replace(scored, rewards=np.zeros_like(scored.rewards))
+        return scored, texts
+
+    return grade
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_on_mesh_matches_single_device(base_ctx, monkeypatch):
+    """DAPO's dynamic sampling (a second draw, the merge of 2P groups, the masked rows of
+    overlong filtering) on the mesh (2, 2, 2) gives the single-device step."""
+    out = []
+    for shape in ((1, 1, 1), (2, 2, 2)):
+        monkeypatch.setattr(phases, "grade", _first_draw_flat())
+        out.append(_one_step(_dynamic_ctx(base_ctx, shape)))
+    (_, ref_st, ref_m), (setup, st, m) = out
+    assert setup.plan is not None and ref_m["dynamic_draws"] == m["dynamic_draws"] == 2
+    for k, v in ref_m.items():
+        if k.startswith(TIMING) or (isinstance(v, float) and math.isnan(v)):
+            continue
+        np.testing.assert_allclose(m[k], v, rtol=RTOL, atol=ATOL, err_msg=k)
+    for a, b in zip(_host(st.theta.params), _host(ref_st.theta.params)):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.slow

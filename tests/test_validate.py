@@ -73,6 +73,22 @@ CASES = [
     ("checkpoint.keep", 0, "must be a positive integer"),
     ("checkpoint.every", 0, "must be a positive integer"),
     ("rl.rollout_mode", "sparsest", "must be one of"),
+    # theta's objective (rl/objectives.py), truncated sampling, DAPO's settings
+    ("rl.advantage", "gae", "must be one of ('grpo', 'dr_grpo', 'rloo')"),
+    ("rl.policy_loss", "ppo", "must be one of ('ppo_clip', 'gspo', 'cispo')"),
+    ("rl.loss_agg", "sum", "must be one of"),
+    ("rl.clip_low", 1.0, "must be in [0, 1)"),
+    ("rl.gspo_clip_low", 1.0, "must be in [0, 1)"),
+    ("rl.gspo_clip_high", -1e-4, "must be >= 0"),
+    ("rl.cispo_clip_low", -0.1, "must be >= 0 (>= 1: no lower bound)"),
+    ("rl.cispo_clip_high", -1.0, "must be >= 0"),
+    ("rl.top_k", -1, "must be an integer >= 0"),
+    ("rl.top_p", 0.0, "must be in (0, 1]"),
+    ("rl.top_p", 1.5, "must be in (0, 1]"),
+    ("rl.dynamic_sampling.max_draws", 0, "must be a positive integer"),
+    ("rl.overlong.buffer", -1, "must be an integer >= 0"),
+    ("rl.overlong.buffer", 75, "must be <= the completion budget (74 tokens, task.num_terms)"),
+    ("rl.overlong.penalty", -1.0, "must be finite and >= 0"),
 ]
 
 
@@ -98,6 +114,7 @@ SPEC = {"rl.rollout_mode": "speculative"}
 M2N = {"rl.samples_generated": 16}  # M = 2n
 ACCEPTANCE = {"rl.selection": "acceptance", **M2N}
 SPARSE_ACTOR = "acceptance needs a sparse actor"
+TRUNCATED = "must be off with rl.rollout_mode distillsparse or speculative"
 CONFLICTS = [
     ({**SPEC, "rl.prune.enabled": True}, "rl.prune.enabled", "must be false with rl.rollout_mode"),
     ({**SPEC, "rl.grow_buffer_from": 64}, "rl.grow_buffer_from", "must be 0 with rl.rollout_mode"),
@@ -118,6 +135,20 @@ CONFLICTS = [
     ),
     ({"rl.draft": "history"}, "rl.draft", "is read only with rl.rollout_mode=speculative"),
     ({"rl.draft": "draft_head", "rl.rollout_mode": "sparse"}, "rl.draft", "is read only"),
+    (
+        {"rl.policy_loss": "gspo", "rl.dual_clip": 3.0},
+        "rl.dual_clip",
+        "must be 0 with rl.policy_loss=gspo",
+    ),
+    ({"rl.policy_loss": "cispo", "rl.dual_clip": 3.0}, "rl.dual_clip", "a dual clip is ppo_clip's"),
+    (
+        {"rl.advantage": "rloo", "rl.scale_adv_by_std": False},
+        "rl.scale_adv_by_std",
+        "rloo has no std",
+    ),
+    ({"rl.top_k": 4}, "rl.top_k", TRUNCATED),  # the default mode, distillsparse, trains phi
+    ({"rl.top_p": 0.9}, "rl.top_p", TRUNCATED),
+    ({**SPEC, "rl.draft": "history", "rl.top_k": 4}, "rl.top_k", TRUNCATED),
 ]
 # Neighbours of the refused pairs that make sense and stay allowed.
 ALLOWED = [
@@ -129,6 +160,11 @@ ALLOWED = [
     {"rl.rollout_mode": "sparse", "rl.grow_buffer_from": 64},
     {"rl.rollout_chunk_rows": 16, "rl.grow_buffer_from": 64},
     {"rl.rollout_chunk_rows": 32, "rl.samples_generated": 16},  # 2 prompts' M = 16 rows
+    {"rl.rollout_mode": "dense", "rl.top_k": 4, "rl.top_p": 0.9},
+    {"rl.rollout_mode": "sparse_train", "rl.top_p": 0.9},
+    {"rl.policy_loss": "ppo_clip", "rl.dual_clip": 3.0},
+    {"rl.advantage": "dr_grpo", "rl.scale_adv_by_std": False},  # the older spelling agrees
+    {"rl.policy_loss": "gspo", "rl.loss_agg": "token-mean"},
 ]
 
 

@@ -155,6 +155,11 @@ def defaults() -> ml_collections.ConfigDict:
     c.rl.prompts_per_step = 8
     c.rl.samples_per_prompt = 8  # n (group size for advantages)
     c.rl.temperature = 1.0
+    # Truncated sampling: the rollout draws from the top_k (0: off) then top_p (1.0: off)
+    # truncation of softmax(logits / temperature), and the trainer's log-probs are those of
+    # the same truncated distribution (docs/objectives.md). Not with modes that train phi.
+    c.rl.top_k = 0
+    c.rl.top_p = 1.0
     # Rollout cache: 0 = one buffer of prompt + completion budget; N > 0 = start at prompt
     # + N tokens and double (a decode step then costs O(position); one compile per buffer,
     # peak 1.5x the cache at the last growth; sampling/sampler.py buffer_schedule).
@@ -173,11 +178,22 @@ def defaults() -> ml_collections.ConfigDict:
     c.rl.max_grad_norm = 1.0
     c.rl.minibatches = 2  # optimizer steps per rollout batch
     c.rl.microbatches = 1  # gradient accumulation inside a minibatch (exact)
-    c.rl.clip_low = 0.2
+    # theta's objective (docs/objectives.md; the tables rl/objectives.py): the advantage
+    # estimator grpo | dr_grpo | rloo, and the policy loss ppo_clip | gspo | cispo, each with
+    # its own clip range; phi's L_PPO (distillsparse) is PPO-clip with rl.clip_*.
+    c.rl.advantage = "grpo"
+    c.rl.policy_loss = "ppo_clip"
+    c.rl.clip_low = 0.2  # PPO's token-ratio clip [1 - low, 1 + high] (high > low: clip-higher)
     c.rl.clip_high = 0.28
-    c.rl.dual_clip = 0.0  # 0: off; else c > 1 (dual-clip PPO)
-    c.rl.loss_agg = "token-mean"  # token-mean | seq-mean-token-mean
-    c.rl.scale_adv_by_std = True  # False: Dr. GRPO
+    c.rl.dual_clip = 0.0  # 0: off; else c > 1 (dual-clip PPO; ppo_clip only)
+    c.rl.gspo_clip_low = 3e-4  # GSPO's sequence-ratio clip (the paper's)
+    c.rl.gspo_clip_high = 4e-4
+    c.rl.cispo_clip_low = 1.0  # CISPO's importance-weight clip (1.0: no lower bound, the paper's)
+    c.rl.cispo_clip_high = 4.0
+    # token-mean | seq-mean-token-mean | auto (the policy loss's paper's: seq-mean-token-mean
+    # for gspo, token-mean otherwise)
+    c.rl.loss_agg = "auto"
+    c.rl.scale_adv_by_std = True  # False with rl.advantage=grpo: Dr. GRPO (older spelling)
     c.rl.kl_coef = 0.0  # KL to the frozen SFT reference (k3); 0: off
     c.rl.kl_kind = "k3"
     # Rollout mode (METHOD.md): dense | sparse (sparse rollout, dense training) |
@@ -207,6 +223,21 @@ def defaults() -> ml_collections.ConfigDict:
     # rl.draft_tokens (the steps a draft has); docs/speculative.md.
     c.rl.draft_head.unroll = 4
     c.rl.selection = "reward"  # top-n of the M by reward | acceptance (rate vs dense)
+    # DAPO's dynamic sampling (docs/objectives.md, "Which rows train"): groups whose kept
+    # rewards are all equal are dropped, and the step draws rl.prompts_per_step further
+    # prompts at a time until it holds rl.prompts_per_step informative groups, or has drawn
+    # max_draws times (then the batch is filled with dropped groups whose loss is masked).
+    c.rl.dynamic_sampling = ml_collections.ConfigDict()
+    c.rl.dynamic_sampling.enabled = False
+    c.rl.dynamic_sampling.max_draws = 4
+    # DAPO's overlong reward shaping and filtering, against the completion budget L_max:
+    # buffer = L_cache > 0 adds -penalty * (|y| - (L_max - L_cache)) / L_cache to the reward
+    # of a completion longer than L_max - L_cache (-penalty at L_max); filter masks the loss
+    # of truncated completions (no EOS).
+    c.rl.overlong = ml_collections.ConfigDict()
+    c.rl.overlong.buffer = 0
+    c.rl.overlong.penalty = 1.0
+    c.rl.overlong.filter = False
     c.rl.acceptance_C = 1.0  # Bernoulli test probability min(1, p_dense / (C p_sparse))
     c.rl.is_correction = "none"  # none | tis | mis (vs the rollout log-probs), any mode
     c.rl.tis_cap = 2.0  # TIS weight min(pi_old / mu, C)

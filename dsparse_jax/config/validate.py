@@ -19,7 +19,7 @@ from dsparse_jax.errors import UserError
 from dsparse_jax.model import attention_dispatch
 from dsparse_jax.model.config import PRESETS
 from dsparse_jax.model.transformer import LINEAR_NAMES
-from dsparse_jax.rl import modes
+from dsparse_jax.rl import modes, objectives
 from dsparse_jax.rl.losses import AGG_MODES
 from dsparse_jax.rl.modes import DRAFTS, MODES
 
@@ -203,10 +203,7 @@ def validate(c) -> None:
         "rl.temperature",
         "must be finite and > 0 for RL sampling",
     )
-    _check(0 <= c.rl.clip_low < 1, "rl.clip_low", "must be in [0, 1)")
-    _check(c.rl.clip_high >= 0, "rl.clip_high", "must be >= 0")
-    _check(c.rl.dual_clip == 0 or c.rl.dual_clip > 1, "rl.dual_clip", "must be 0 (off) or > 1")
-    _check(c.rl.loss_agg in AGG_MODES, "rl.loss_agg", f"must be one of {AGG_MODES}")
+    _validate_objective(c)
     _check(c.rl.kl_kind in ("k1", "k2", "k3"), "rl.kl_kind", "must be k1, k2 or k3")
     _check(c.rl.kl_coef >= 0, "rl.kl_coef", "must be >= 0")
     _check(c.rl.schedule in ("cosine", "constant"), "rl.schedule", "must be cosine or constant")
@@ -231,6 +228,43 @@ def validate(c) -> None:
     _validate_modes(c)
     _validate_conflicts(c)
     _validate_shapes(c)
+
+
+def _validate_objective(c) -> None:
+    """theta's objective (rl/objectives.py tables): the names, every clip range, the
+    aggregation, the dual clip where the loss has one; truncated sampling; DAPO's dynamic
+    sampling and overlong settings (the budget is checked with the task's shapes)."""
+    r = c.rl
+    try:
+        objectives.advantage_name(r.advantage, r.scale_adv_by_std)
+        loss = objectives.policy_loss(r.policy_loss)
+    except ValueError as e:  # the message names the field
+        raise ConfigError(str(e)) from None
+    for f in ("clip_low", "gspo_clip_low"):  # the clipped ratio stays > 0
+        _check(0 <= r[f] < 1, f"rl.{f}", "must be in [0, 1)")
+    _check(r.cispo_clip_low >= 0, "rl.cispo_clip_low", "must be >= 0 (>= 1: no lower bound)")
+    for f in ("clip_high", "gspo_clip_high", "cispo_clip_high"):
+        _check(r[f] >= 0, f"rl.{f}", "must be >= 0")
+    _check(r.dual_clip == 0 or r.dual_clip > 1, "rl.dual_clip", "must be 0 (off) or > 1")
+    _check(
+        r.dual_clip == 0 or loss.dual_clip,
+        "rl.dual_clip",
+        f"must be 0 with rl.policy_loss={r.policy_loss} (a dual clip is ppo_clip's)",
+    )
+    aggs = (*AGG_MODES, "auto")
+    _check(r.loss_agg in aggs, "rl.loss_agg", f"must be one of {aggs}")
+    _nonneg(c, "rl.top_k", integer=True)
+    _check(
+        isinstance(r.top_p, (int, float)) and 0 < r.top_p <= 1,
+        "rl.top_p",
+        f"must be in (0, 1], got {r.top_p!r}",
+    )
+    d = r.dynamic_sampling
+    _check(isinstance(d.enabled, bool), "rl.dynamic_sampling.enabled", "must be true or false")
+    _positive_int(c, "rl.dynamic_sampling.max_draws")
+    _nonneg(c, "rl.overlong.buffer", integer=True)
+    _nonneg(c, "rl.overlong.penalty")
+    _check(isinstance(r.overlong.filter, bool), "rl.overlong.filter", "must be true or false")
 
 
 def _validate_reward(c) -> None:
@@ -301,6 +335,11 @@ def _validate_shapes(c) -> None:
         prompt, gen = c.data.max_prompt_tokens, c.data.max_new_tokens
         cache = -(-(prompt + gen) // page) * page
         gen_field = "data.max_new_tokens"
+    _check(
+        c.rl.overlong.buffer <= gen,
+        "rl.overlong.buffer",
+        f"must be <= the completion budget ({gen} tokens, {gen_field})",
+    )
     _check(
         cache % page == 0,
         "attention.page_size",
@@ -549,6 +588,17 @@ CONFLICTS = (
         lambda r, mode: r.selection == "acceptance" and r.samples_generated <= r.samples_per_prompt,
         "acceptance keeps n of M > n samples per prompt: needs rl.samples_generated > "
         "rl.samples_per_prompt (with M = n, as rl.prune.enabled has, every row is kept)",
+    ),
+    *(
+        (
+            f"rl.{field}",
+            lambda r, mode, field=field, off=off: (
+                r[field] != off and (mode.updates_phi or mode.speculative)
+            ),
+            "must be off with rl.rollout_mode distillsparse or speculative: phi's distillation "
+            "and the drafters target the untruncated policy (docs/objectives.md)",
+        )
+        for field, off in (("top_k", 0), ("top_p", 1.0))
     ),
     (
         "rl.draft",

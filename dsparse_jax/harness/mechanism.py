@@ -196,6 +196,7 @@ def cmd_distill(lab: Lab, args, save) -> dict:
     import numpy as np
 
     from dsparse_jax.model.lora import init_lora
+    from dsparse_jax.rl import objectives
     from dsparse_jax.train import distill, rl_state
 
     spec = lab.spec(args.budget)
@@ -231,7 +232,7 @@ def cmd_distill(lab: Lab, args, save) -> dict:
                 loss="kl_only",
                 kl=kl,
                 kl_coef=1.0,
-                loss_agg=c.rl.loss_agg,
+                loss_agg=objectives.loss_agg(c.rl.loss_agg, c.rl.policy_loss),
                 microbatches=max(1, replay[0]["tokens"].shape[0] // 16),  # 16 rows at once
             )
             lcfg = c.lora.copy_and_resolve_references()

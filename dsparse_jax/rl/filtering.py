@@ -1,4 +1,5 @@
-"""Oversampling filters: keep n of the M rollouts of each prompt.
+"""Oversampling filters: keep n of the M rollouts of each prompt; and DAPO's dynamic
+sampling: keep the groups whose rewards vary (`informative_groups`, `fill_groups`).
 
 Batch layout: B = P * M rows, the M samples of prompt p at rows p*M .. p*M + M - 1.
 Per-prompt indices idx_Pxn (values in [0, M)) are turned into flat batch rows by
@@ -8,6 +9,7 @@ be computed on the kept batch with group_size = n.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def top_n_by_reward(rewards_PxM, n, key):
@@ -72,3 +74,21 @@ def acceptance_rate_select(logp_dense_BxT, logp_sparse_BxT, mask_BxT, C, n, M, k
     frac_B = acceptance_fraction(logp_dense_BxT, logp_sparse_BxT, mask_BxT, C, key_test)
     idx_Pxn = top_n_by_reward(frac_B.reshape(B // M, M), n, key_tie)
     return idx_Pxn, frac_B
+
+
+def informative_groups(rewards_PxG):
+    """bool [P]: the groups whose rewards are not all equal (DAPO's dynamic sampling keeps
+    these: a group of equal rewards has zero advantage under every estimator)."""
+    r = jnp.asarray(rewards_PxG)
+    return r.max(axis=1) > r.min(axis=1)
+
+
+def fill_groups(informative_Q, p):
+    """Indices [p] of the groups a batch of p groups keeps from Q >= p candidates (the
+    groups of earlier draws first): the informative ones in order, then, if there are fewer
+    than p, the uninformative ones in order (they fill the fixed shape; the caller masks
+    their loss). numpy, on the host."""
+    informative_Q = np.asarray(informative_Q, bool)
+    if not 1 <= p <= informative_Q.shape[0]:
+        raise ValueError(f"need 1 <= p <= {informative_Q.shape[0]} groups, got p={p}")
+    return np.argsort(~informative_Q, kind="stable")[:p]

@@ -1,4 +1,6 @@
-"""Policy-gradient and KL loss terms for GRPO / DistillSparse.
+"""Policy-gradient and KL loss terms for GRPO / DistillSparse: the policy losses PPO-clip
+(`policy_loss`), GSPO (`gspo_loss`) and CISPO (`cispo_loss`), one signature each (the
+table rl/objectives.POLICY_LOSSES names them), and the KL estimators.
 
 Conventions: token arrays are [B, T], aligned to the model's token buffer;
 `mask_BxT` is 1.0 on completion tokens that count, 0.0 elsewhere; log-probs are
@@ -63,7 +65,7 @@ def policy_loss(
     agg="token-mean",
     log_ratio_clamp=20.0,
 ):
-    """Clipped PPO/GRPO surrogate (loss to minimise). Returns (num, den, metrics).
+    """PPO-clip (the GRPO surrogate), token level; loss to minimise. Returns (num, den, metrics).
 
     ratio = exp(clamp(logp - old_logp, +-log_ratio_clamp)), A = adv_B per sequence:
       l = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
@@ -105,23 +107,145 @@ def policy_loss(
         pg_BxT = pg_BxT * jax.lax.stop_gradient(token_weights_BxT.astype(jnp.float32))
 
     num, den = aggregate(pg_BxT, m, agg)
+    low_BxT, high_BxT = clip_active_BxT & (adv_Bx1 < 0), clip_active_BxT & (adv_Bx1 > 0)
+    metrics = _ratio_metrics(
+        m, clip_active_BxT, low_BxT, high_BxT, dual_active_BxT, ratio_BxT, log_ratio_BxT
+    )
+    return num, den, metrics
 
+
+def gspo_loss(
+    logp_BxT,
+    old_logp_BxT,
+    adv_B,
+    mask_BxT,
+    *,
+    clip_low,
+    clip_high,
+    dual_clip=None,
+    token_weights_BxT=None,
+    agg="seq-mean-token-mean",
+    log_ratio_clamp=20.0,
+):
+    """GSPO (arXiv 2507.18071), sequence level; loss to minimise. Returns (num, den, metrics).
+
+    The sequence ratio is the length-normalised likelihood ratio of sequence i,
+      s_i = exp(clamp(mean over its masked tokens of (logp - old_logp), +-log_ratio_clamp)),
+    clipped per sequence with GSPO's own (small) range:
+      l_i = max(-A_i * s_i, -A_i * clip(s_i, 1 - clip_low, 1 + clip_high)).
+    Every masked token of sequence i carries l_i (times its detached token weight), so
+    agg='seq-mean-token-mean' gives the paper's mean over sequences (1/G sum_i l_i) and
+    'token-mean' weights each sequence by its length. A row's terms depend on that row
+    only, so minibatch num / den sums are exact. At sequence length 1, s_i is the token
+    ratio and this is `policy_loss`. No dual clip. metrics: `policy_loss`'s, with the
+    sequence ratio (per token) and its clip.
+    """
+    _no_dual_clip("gspo", dual_clip, agg)
+    m = mask_BxT.astype(jnp.float32)
+    valid_BxT = m > 0
+    log_ratio_BxT = jnp.where(valid_BxT, logp_BxT - old_logp_BxT, 0.0)
+    n_B = jnp.sum(m, axis=1)
+    seq_log_ratio_B = jnp.sum(log_ratio_BxT * m, axis=1) / jnp.maximum(n_B, 1.0)
+    seq_log_ratio_B = jnp.clip(seq_log_ratio_B, -log_ratio_clamp, log_ratio_clamp)
+    s_B = jnp.exp(seq_log_ratio_B)
+    adv = adv_B.astype(jnp.float32)
+    unclipped_B = -adv * s_B
+    clipped_B = -adv * jnp.clip(s_B, 1.0 - clip_low, 1.0 + clip_high)
+    pg_B = jnp.maximum(unclipped_B, clipped_B)
+    pg_BxT = jnp.broadcast_to(pg_B[:, None], m.shape)
+    if token_weights_BxT is not None:
+        pg_BxT = pg_BxT * jax.lax.stop_gradient(token_weights_BxT.astype(jnp.float32))
+    num, den = aggregate(pg_BxT, m, agg)
+
+    per_token = lambda x_B: jnp.broadcast_to(x_B[:, None], m.shape)
+    active_B = clipped_B > unclipped_B
+    metrics = _ratio_metrics(
+        m,
+        per_token(active_B),
+        per_token(active_B & (adv < 0)),
+        per_token(active_B & (adv > 0)),
+        jnp.zeros(m.shape, bool),
+        per_token(s_B),
+        jnp.clip(log_ratio_BxT, -log_ratio_clamp, log_ratio_clamp),
+    )
+    return num, den, metrics
+
+
+def cispo_loss(
+    logp_BxT,
+    old_logp_BxT,
+    adv_B,
+    mask_BxT,
+    *,
+    clip_low,
+    clip_high,
+    dual_clip=None,
+    token_weights_BxT=None,
+    agg="token-mean",
+    log_ratio_clamp=20.0,
+):
+    """CISPO (MiniMax-M1, arXiv 2506.13585), token level; loss to minimise. Returns
+    (num, den, metrics).
+
+    A clipped, detached importance weight on a REINFORCE term, per token:
+      r = exp(clamp(logp - old_logp, +-log_ratio_clamp)),  w = sg(clip(r, 1 - clip_low,
+      1 + clip_high)),  l = -w * A * logp
+    so every token keeps the gradient -w * A * grad logp (none is clipped out of it; at
+    r = 1 it is PPO's unclipped gradient). agg='token-mean' is the paper's 1 / sum |o_i|.
+    The value of l is not PPO's (it holds logp). No dual clip. metrics: `policy_loss`'s,
+    with the clip the weight's (low: r < 1 - clip_low, high: r > 1 + clip_high).
+    """
+    _no_dual_clip("cispo", dual_clip, agg)
+    m = mask_BxT.astype(jnp.float32)
+    valid_BxT = m > 0
+    log_ratio_BxT = jnp.where(valid_BxT, logp_BxT - old_logp_BxT, 0.0)
+    log_ratio_BxT = jnp.clip(log_ratio_BxT, -log_ratio_clamp, log_ratio_clamp)
+    ratio_BxT = jnp.exp(log_ratio_BxT)
+    w_BxT = jax.lax.stop_gradient(jnp.clip(ratio_BxT, 1.0 - clip_low, 1.0 + clip_high))
+    adv_Bx1 = adv_B.astype(jnp.float32)[:, None]
+    pg_BxT = -w_BxT * adv_Bx1 * jnp.where(valid_BxT, logp_BxT, 0.0).astype(jnp.float32)
+    if token_weights_BxT is not None:
+        pg_BxT = pg_BxT * jax.lax.stop_gradient(token_weights_BxT.astype(jnp.float32))
+    num, den = aggregate(pg_BxT, m, agg)
+
+    low_BxT, high_BxT = ratio_BxT < 1.0 - clip_low, ratio_BxT > 1.0 + clip_high
+    metrics = _ratio_metrics(
+        m,
+        low_BxT | high_BxT,
+        low_BxT,
+        high_BxT,
+        jnp.zeros(m.shape, bool),
+        ratio_BxT,
+        log_ratio_BxT,
+    )
+    return num, den, metrics
+
+
+def _no_dual_clip(name, dual_clip, agg):
+    if dual_clip is not None:
+        raise ValueError(f"{name} has no dual clip, got dual_clip={dual_clip}")
+    if agg not in AGG_MODES:
+        raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
+
+
+def _ratio_metrics(m, clip_BxT, low_BxT, high_BxT, dual_BxT, ratio_BxT, log_ratio_BxT):
+    """The policy losses' metrics (see `policy_loss`), all detached; m: the f32 mask."""
+    valid_BxT = m > 0
     ratio_sg_BxT = jax.lax.stop_gradient(ratio_BxT)
     token_sum = lambda x_BxT: masked_sum_count(jax.lax.stop_gradient(x_BxT).astype(jnp.float32), m)[
         0
     ]
-    metrics = {
-        "clip_frac_sum": token_sum(clip_active_BxT),
-        "clip_frac_low_sum": token_sum(clip_active_BxT & (adv_Bx1 < 0)),
-        "clip_frac_high_sum": token_sum(clip_active_BxT & (adv_Bx1 > 0)),
-        "dual_clip_frac_sum": token_sum(dual_active_BxT),
+    return {
+        "clip_frac_sum": token_sum(clip_BxT),
+        "clip_frac_low_sum": token_sum(low_BxT),
+        "clip_frac_high_sum": token_sum(high_BxT),
+        "dual_clip_frac_sum": token_sum(dual_BxT),
         "ratio_sum": token_sum(ratio_BxT),
         "ppo_kl_sum": token_sum(-log_ratio_BxT),
         "ratio_max": jnp.max(jnp.where(valid_BxT, ratio_sg_BxT, -jnp.inf)),
         "ratio_min": jnp.min(jnp.where(valid_BxT, ratio_sg_BxT, jnp.inf)),
         "num_tokens": jnp.sum(m),
     }
-    return num, den, metrics
 
 
 def combine_metrics(metrics_list):

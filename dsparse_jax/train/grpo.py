@@ -1,4 +1,5 @@
-"""The jitted GRPO/PPO update of theta (one minibatch = one optimizer step).
+"""The jitted update of theta (one minibatch = one optimizer step): the policy loss the
+config names (rl/objectives.POLICY_LOSSES: PPO-clip, GSPO, CISPO).
 
 A minibatch is a dict of [B, S] arrays aligned with the token buffer:
   tokens, mask (completion tokens that count), old_logp (trainer log-probs before the
@@ -19,7 +20,7 @@ import jax
 
 from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.parallel import sharding
-from dsparse_jax.rl import losses
+from dsparse_jax.rl import losses, objectives
 from dsparse_jax.train.recompute import token_logprobs
 from dsparse_jax.train.steps import accumulated_update
 
@@ -35,10 +36,14 @@ class GRPOSettings:
     kl_kind: str = "k3"
     microbatches: int = 1
     spec: AttentionSpec = AttentionSpec()  # the trainer's attention (dense unless sparse_train)
+    policy_loss: str = "ppo_clip"  # a key of rl/objectives.POLICY_LOSSES; clip_*: its range
+    top_k: int = 0  # the rollout's truncation: the trainer's log-probs are of the same one
+    top_p: float = 1.0
 
 
 def loss_terms(params, graphdef, mb: dict, s: GRPOSettings):
-    """(numerator, (denominator, metric sums)) of the GRPO loss on one microbatch."""
+    """(numerator, (denominator, metric sums)) of theta's loss on one microbatch: the
+    policy loss `s.policy_loss` (rl/objectives.py) [+ kl_coef * KL to the reference]."""
     logp, entropy = token_logprobs(
         graphdef,
         params,
@@ -46,8 +51,10 @@ def loss_terms(params, graphdef, mb: dict, s: GRPOSettings):
         temperature=s.temperature,
         spec=s.spec,
         pages=mb.get("pages"),
+        top_k=s.top_k,
+        top_p=s.top_p,
     )
-    num, den, metrics = losses.policy_loss(
+    num, den, metrics = objectives.POLICY_LOSSES[s.policy_loss].fn(
         logp,
         mb["old_logp"],
         mb["adv"],

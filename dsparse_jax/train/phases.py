@@ -38,8 +38,7 @@ from dsparse_jax.data.rewards import graders
 from dsparse_jax.data.task import Problem
 from dsparse_jax.parallel import sharding
 from dsparse_jax.reliability import faults
-from dsparse_jax.rl import corrections, filtering, modes, pruning_metrics
-from dsparse_jax.rl.advantages import grpo_advantages
+from dsparse_jax.rl import corrections, filtering, modes, objectives, pruning_metrics, shaping
 from dsparse_jax.rl.losses import combine_metrics
 from dsparse_jax.sampling.history import prompt_key
 from dsparse_jax.sampling.sampler import PruneRecord, Rollout, buffer_length
@@ -97,13 +96,16 @@ class PhaseLog:
         self.times: dict = {}
         self.label = label
 
-    def run(self, name: str, phase, *args):
+    def run(self, name: str, phase, *args, record: bool = True):
+        """phase(*args)'s output, once ready; its time adds to time_<name> (a phase that runs
+        again, a further draw of dynamic sampling, adds up); record=False drops its metrics."""
         t = time.time()
         with still_running(f"{self.label} {name}"):
             out, metrics = phase(*args)
             jax.block_until_ready(out)
-        self.times[f"time_{name}"] = time.time() - t
-        self.metrics.update(metrics)
+        self.times[f"time_{name}"] = self.times.get(f"time_{name}", 0.0) + time.time() - t
+        if record:
+            self.metrics.update(metrics)
         return out
 
     def summary(self) -> dict:
@@ -130,9 +132,11 @@ class Selected(NamedTuple):
     """The select phase's output: the kept n per prompt, their rewards and advantages."""
 
     kept: Rollout
-    rewards: Any  # numpy [P * n]
+    rewards: Any  # numpy [P * n] (overlong-shaped where rl.overlong.buffer > 0)
     adv: jax.Array  # f32 [P * n]
     recomputed: dict | None  # the recompute of the kept rows, when selection already needed it
+    train_rows: Any = None  # numpy f32 [P * n]: 0 masks a row's loss in theta's update (None: all)
+    generated: int = 0  # completion tokens the rollouts behind these rows generated
 
 
 class Recomputed(NamedTuple):
@@ -169,6 +173,8 @@ def rl_step(
         if samples is not None:
             samples.extend(sample_records(gen, scored, setup.num_samples))
         sel = log.run("select", select, ctx, setup, st, gen, scored.rewards, k_select, step)
+        if setup.selection.dynamic:  # DAPO: further draws until P informative groups
+            sel = dynamic_sampling(ctx, setup, st, log, sel, (k_roll, k_select), step)
         head = st.quality_head
         if gen.prune is not None:  # the quality head learns from this step's completed rows
             head = log.run("update_head", update_head, ctx, setup, st, gen, scored.rewards)
@@ -282,7 +288,13 @@ def select_rows(
 
 
 def theta_batch(
-    mode: modes.RolloutMode, kept, adv_B, dense_logp, twin_logp, c: corrections.Correction
+    mode: modes.RolloutMode,
+    kept,
+    adv_B,
+    dense_logp,
+    twin_logp,
+    c: corrections.Correction,
+    train_rows=None,
 ):
     """The theta update's batch and the off-policy correction metrics.
 
@@ -290,7 +302,9 @@ def theta_batch(
     along in the batch) where the mode's trainer is sparse, else dense (theta, no
     adapter). The correction `c` against the rollout's log-probs mu: tis adds is_weights =
     min(pi_old / mu, tis_cap); mis replaces the mask with the MIS mask (mis_level token |
-    sequence). The TIS clip and MIS mask fractions are always measured.
+    sequence). The TIS clip and MIS mask fractions are always measured. train_rows [B]
+    (Selected.train_rows): a 0 masks the row's loss (overlong filtering, dynamic sampling's
+    fill).
     """
     trainer_sparse = mode.trainer_sparse
     old_logp = twin_logp if trainer_sparse else dense_logp
@@ -304,19 +318,29 @@ def theta_batch(
         batch["is_weights"] = corr["tis"]
     elif c.kind == "mis":
         batch["mask"] = corr[f"mis_{c.mis_level}"]
+    if train_rows is not None:
+        batch["mask"] = batch["mask"] * jnp.asarray(train_rows, batch["mask"].dtype)[:, None]
     return batch, {k: float(v) for k, v in jax.device_get(corr_m).items()}
 
 
 # ------------------------------------------------------------------------------- phases
 def rollout(
-    ctx: RunContext, setup: RLSetup, st: TrainState, key, step: int, data_start: int | None = None
+    ctx: RunContext,
+    setup: RLSetup,
+    st: TrainState,
+    key,
+    step: int,
+    data_start: int | None = None,
+    draw: int = 0,
 ):
     """M samples per prompt from the actor (its attention and adapter: setup.mode) on RL step
-    `step`'s prompts, or on those from training index `data_start` on. With a mesh each
-    process makes its own block of prompts; the rollout is one global array."""
+    `step`'s prompts (its draw `draw` of dynamic sampling: each step owns max_draws prompt
+    sets), or on those from training index `data_start` on. With a mesh each process makes
+    its own block of prompts; the rollout is one global array."""
     plan, p = setup.plan, setup.prompts_per_step
     mine = slice(0, p) if plan is None else plan.local_slice(p)  # this process's prompts
-    start = RL_DATA_OFFSET + step * p if data_start is None else data_start
+    first = step * setup.selection.max_draws + draw
+    start = RL_DATA_OFFSET + first * p if data_start is None else data_start
     batch_problems = ctx.task.problems(
         "train", start + mine.start, mine.stop - mine.start, setup.seed
     )
@@ -442,11 +466,15 @@ def twin_step(setup: RLSetup, step: int) -> bool:
 
 
 def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key, step: int):
-    """The oversampling filter keeps n of each prompt's M samples (rl.selection); GRPO
-    advantages over the kept n. Selection by acceptance rate, and with M > n every
-    metrics.all_rows_every steps, recomputes all M rows first: their mismatch figures are
-    logged as all_*, and the recompute phase reuses the kept rows' arrays (the twin on
-    the steps `twin_step` says)."""
+    """Which rows train, in this order (docs/objectives.md, "Which rows train"): pruning has
+    kept n of each prompt's M' rows inside the sampler (rl.prune); overlong shaping adds its
+    length penalty to the rewards (rl.overlong.buffer); the oversampling filter keeps n of
+    each prompt's M samples (rl.selection); advantages over the kept n (rl.advantage);
+    overlong filtering masks the loss of truncated rows (rl.overlong.filter). Dynamic
+    sampling (rl.dynamic_sampling) then works on whole groups: `dynamic_sampling`.
+    Selection by acceptance rate, and with M > n every metrics.all_rows_every steps,
+    recomputes all M rows first: their mismatch figures are logged as all_*, and the
+    recompute phase reuses the kept rows' arrays (the twin on the steps `twin_step` says)."""
     s, plan, n, big_m = setup.selection, setup.plan, setup.n, setup.m
     r = gen.rollout
     recomputed = None
@@ -455,9 +483,21 @@ def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key
         generated = int(sharding.to_host(gen.prune.tokens_generated))
         kept_rows = pruned_kept_rows(len(rewards_all), setup.pruning.config)
         r, rewards_all = gather_rows(r, kept_rows, plan), rewards_all[kept_rows]
+    metrics = {}
+    if s.overlong_buffer > 0:  # DAPO's soft overlong punishment, before any selection
+        penalty = np.asarray(
+            shaping.overlong_penalty(
+                jnp.asarray(sharding.to_host(r.completion_lengths)),
+                setup.sampling.max_new_tokens,
+                s.overlong_buffer,
+                s.overlong_penalty,
+            )
+        )
+        rewards_all = rewards_all + penalty.astype(rewards_all.dtype)
+        metrics["overlong_penalty_mean"] = float(penalty.mean())
     if big_m > n and (s.kind == "acceptance" or _all_rows_step(setup, step)):
         recomputed = _recompute(ctx, setup, st, r, twin_step(setup, step))  # all M rows
-    rows, metrics = select_rows(
+    rows, select_metrics = select_rows(
         rewards_all,
         n,
         big_m,
@@ -467,6 +507,7 @@ def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key
         dense_logp=None if recomputed is None else recomputed["dense_logp"],
         acceptance_c=s.acceptance_c,
     )
+    metrics.update(select_metrics)
     kept, rewards = r, rewards_all
     if big_m > n:
         kept, rewards = gather_rows(r, rows, plan), rewards_all[rows]
@@ -478,22 +519,106 @@ def select(ctx, setup: RLSetup, st: TrainState, gen: Generated, rewards_all, key
             {k: v for k, v in recomputed.items() if k != "metrics"}, rows, plan
         )
         recomputed["metrics"] = rollout_metrics(recomputed, kept, setup.recompute)
-    adv_B = grpo_advantages(jnp.asarray(rewards), n, scale_by_std=s.scale_adv_by_std)
+    adv_B = objectives.ADVANTAGES[s.advantage].fn(jnp.asarray(rewards), n)
     adv_B = sharding.as_global(plan, adv_B)
     if faults.action("rl_nan", step + 1) == "nan":  # test hook: a non-finite loss
         adv_B = adv_B * jnp.nan
-    trained = int(sharding.to_host(kept.completion_lengths).sum())
-    mixed = pruning_metrics.groups_mixed(np.asarray(rewards).reshape(-1, n))
-    useful = mixed * len(rewards)  # rows in groups with a non-zero advantage
-    metrics.update(
-        reward_kept=float(rewards.mean()),
-        response_length_kept_mean=float(sharding.to_host(kept.completion_lengths).mean()),
+    train_rows = None
+    if s.overlong_filter:  # DAPO's overlong filtering: truncated rows do not train
+        cut = np.asarray(
+            shaping.truncated(kept.tokens, kept.completion_mask, setup.sampling.eos_id)
+        )
+        train_rows = (~cut).astype(np.float32)
+        metrics["overlong_truncated_frac"] = float(cut.mean())
+    sel = Selected(kept, rewards, adv_B, recomputed, train_rows, generated)
+    metrics.update(kept_figures(sel, n))
+    return sel, metrics
+
+
+def kept_figures(sel: Selected, n: int) -> dict:
+    """The figures of the rows that train: their rewards and lengths, the fraction of groups
+    whose rewards vary, and the completion tokens generated and trained."""
+    lengths = sharding.to_host(sel.kept.completion_lengths)
+    if sel.train_rows is not None:
+        lengths = lengths * sel.train_rows
+    trained = int(lengths.sum())
+    mixed = pruning_metrics.groups_mixed(np.asarray(sel.rewards).reshape(-1, n))
+    useful = mixed * len(sel.rewards)  # rows in groups with a non-zero advantage
+    return dict(
+        reward_kept=float(sel.rewards.mean()),
+        response_length_kept_mean=float(sharding.to_host(sel.kept.completion_lengths).mean()),
         groups_mixed=mixed,
-        tokens_generated=generated,
+        tokens_generated=sel.generated,
         tokens_trained=trained,
-        tokens_per_useful_row=generated / useful if useful else float("nan"),
+        tokens_per_useful_row=sel.generated / useful if useful else float("nan"),
     )
-    return Selected(kept, rewards, adv_B, recomputed), metrics
+
+
+def dynamic_sampling(ctx, setup: RLSetup, st: TrainState, log: PhaseLog, sel: Selected, keys, step):
+    """DAPO's dynamic sampling (rl.dynamic_sampling), after `select` on the step's first
+    draw: a group whose kept rewards are all equal has zero advantage, so while fewer than
+    P = prompts_per_step groups are informative and fewer than max_draws draws were made,
+    the step draws P further prompts (rollout, score, select: the same shapes, no new
+    compile) and keeps P groups of the 2P at hand (`filtering.fill_groups`: informative
+    first, earlier draws first). Past max_draws the batch is filled with uninformative
+    groups whose loss is masked (Selected.train_rows). Times add to the phases'; metrics
+    in `log` (groups drawn, informative and kept; the extra rollout tokens)."""
+    n, p = setup.n, setup.prompts_per_step
+    k_roll, k_select = keys
+    informative = lambda x: np.asarray(filtering.informative_groups(x.rewards.reshape(-1, n)))
+    drawn, found, first_tokens = 1, int(informative(sel).sum()), sel.generated
+    while int(informative(sel).sum()) < p and drawn < setup.selection.max_draws:
+        k_r, k_s = jax.random.fold_in(k_roll, drawn), jax.random.fold_in(k_select, drawn)
+        gen = log.run("rollout", rollout, ctx, setup, st, k_r, step, None, drawn, record=False)
+        scored = log.run("score", score, ctx, setup, gen, step, record=False)
+        more = log.run(
+            "select", select, ctx, setup, st, gen, scored.rewards, k_s, step, record=False
+        )
+        found += int(informative(more).sum())
+        sel = merge_groups(setup, sel, more, informative(sel), informative(more))
+        drawn += 1
+    keep = np.repeat(informative(sel), n).astype(np.float32)  # fill groups do not train
+    rows = keep if sel.train_rows is None else keep * sel.train_rows
+    sel = sel._replace(train_rows=rows)
+    metrics = kept_figures(sel, n)
+    metrics.update(
+        dynamic_draws=drawn,
+        dynamic_groups_drawn=drawn * p,
+        dynamic_groups_informative=found,
+        dynamic_groups_kept=int(informative(sel).sum()),
+        groups_mixed_drawn=found / (drawn * p),
+        dynamic_extra_tokens=sel.generated - first_tokens,
+    )
+    log.metrics.update(metrics)
+    return sel
+
+
+def merge_groups(setup: RLSetup, a: Selected, b: Selected, inf_a, inf_b) -> Selected:
+    """P groups of the 2P of two selections (a's first): `filtering.fill_groups` of their
+    informative flags; every per-row array gathered, fixed shapes."""
+    n, plan = setup.n, setup.plan
+    groups = filtering.fill_groups(np.concatenate([inf_a, inf_b]), setup.prompts_per_step)
+    rows = (groups[:, None] * n + np.arange(n)[None]).reshape(-1)
+    both = lambda x, y: jax.tree.map(lambda u, v: jnp.concatenate([u, v]), x, y)
+    kept = gather_rows(both(a.kept, b.kept), rows, plan)
+    if plan is not None:
+        kept = plan.shard_batch(kept)
+    recomputed = None
+    if a.recomputed is not None:
+        arrays = lambda rec: {k: v for k, v in rec.items() if k != "metrics"}
+        recomputed = gather_rows(both(arrays(a.recomputed), arrays(b.recomputed)), rows, plan)
+        recomputed["metrics"] = rollout_metrics(recomputed, kept, setup.recompute)
+    train_rows = None
+    if a.train_rows is not None:  # overlong filtering: every draw's select sets it
+        train_rows = np.concatenate([a.train_rows, b.train_rows])[rows]
+    return Selected(
+        kept,
+        np.concatenate([a.rewards, b.rewards])[rows],
+        sharding.as_global(plan, jnp.concatenate([a.adv, b.adv])[rows]),
+        recomputed,
+        train_rows,
+        a.generated + b.generated,
+    )
 
 
 def pruned_kept_rows(rows: int, prune) -> np.ndarray:
@@ -568,6 +693,7 @@ def recompute(ctx, setup: RLSetup, st: TrainState, sel: Selected, ref_params, st
         recomputed["dense_logp"],
         recomputed.get("twin_logp"),
         setup.correction,
+        sel.train_rows,
     )
     if setup.grpo.kl_coef > 0:
         batch["ref_logp"], _ = logprobs(

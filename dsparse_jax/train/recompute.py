@@ -31,7 +31,7 @@ from flax import nnx
 
 from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.rl import losses, mismatch
-from dsparse_jax.sampling.sampler import Rollout
+from dsparse_jax.sampling.sampler import Rollout, truncate_logits
 
 
 # ------------------------------------------------------------------------------ forwards
@@ -47,12 +47,17 @@ def token_logprobs(
     lora_scale: float = 1.0,
     draft_start=None,
     with_logits: bool = False,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ):
     """Teacher-forced log p(token_s | tokens_<s) under log_softmax(logits / temperature).
 
+    top_k / top_p (rl.top_k, rl.top_p): the log-probs and entropy are those of the
+    truncated distribution the rollout drew from (sampler.truncate_logits: top-k, then
+    top-p, renormalised); a token outside it gets TRUNCATED_LOGP, with no gradient.
     draft_start: the self-speculative drafter's record (Transformer.forward). Returns
     (logp_BxS, entropy_BxS) and, if with_logits, the scaled logits [B, S, V] aligned the
-    same way (row s = the distribution token s was drawn from).
+    same way (row s = the distribution token s was drawn from; never truncated).
     """
     model = nnx.merge(graphdef, params)
     logits = model.forward(
@@ -60,12 +65,31 @@ def token_logprobs(
     )
     logits = logits / max(temperature, 1e-6)
     logits = jnp.pad(logits[:, :-1], ((0, 0), (1, 0), (0, 0)))  # row s predicts token s
-    logp_all = jax.nn.log_softmax(logits, axis=-1)
-    logp = jnp.take_along_axis(logp_all, tokens_BxS[..., None], axis=-1)[..., 0]
-    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    if top_k or top_p < 1.0:
+        logp, entropy = _truncated_logprobs(logits, tokens_BxS, top_k, top_p)
+    else:
+        logp_all = jax.nn.log_softmax(logits, axis=-1)
+        logp = jnp.take_along_axis(logp_all, tokens_BxS[..., None], axis=-1)[..., 0]
+        entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
     logp = logp.at[:, 0].set(0.0)
     entropy = entropy.at[:, 0].set(0.0)
     return (logp, entropy, logits) if with_logits else (logp, entropy)
+
+
+# The log-prob of a token outside the truncated distribution (probability 0): finite, so
+# the ratios of the losses stay defined (their log-ratio clamp bounds them), no gradient.
+TRUNCATED_LOGP = -1e3
+
+
+def _truncated_logprobs(logits_BxSxV, tokens_BxS, top_k: int, top_p: float):
+    """(logp_BxS, entropy_BxS) of the top-k / top-p truncation of the scaled logits."""
+    b, s, v = logits_BxSxV.shape
+    kept = truncate_logits(logits_BxSxV.reshape(b * s, v), top_k, top_p).reshape(b, s, v)
+    logp_all = jax.nn.log_softmax(kept, axis=-1)
+    logp = jnp.take_along_axis(logp_all, tokens_BxS[..., None], axis=-1)[..., 0]
+    p_all = jnp.exp(logp_all)
+    entropy = -jnp.sum(p_all * jnp.where(p_all > 0, logp_all, 0.0), axis=-1)
+    return jnp.maximum(logp, TRUNCATED_LOGP), entropy
 
 
 def map_row_chunks(fn, rows: dict, chunks: int):
@@ -126,12 +150,23 @@ def token_stats(
     twin_spec,
     lora_scale,
     draft_start=None,
+    top_k=0,
+    top_p=1.0,
 ) -> dict:
     """Per-token outputs of the recompute on one chunk of rows: dense_logp, dense_entropy
     and, with a twin, twin_logp and `token_mismatch` (the [B, S, V] logits stay here).
-    draft_start: the twin is the self-speculative drafter (Transformer.forward)."""
+    draft_start: the twin is the self-speculative drafter (Transformer.forward). top_k /
+    top_p: the log-probs are the truncated distributions' (the rollout's); the mismatch
+    figures compare the untruncated ones."""
     dense_logp, dense_ent, dense_logits = token_logprobs(
-        graphdef, params, tokens_BxS, temperature=temperature, spec=dense_spec, with_logits=True
+        graphdef,
+        params,
+        tokens_BxS,
+        temperature=temperature,
+        spec=dense_spec,
+        with_logits=True,
+        top_k=top_k,
+        top_p=top_p,
     )
     out = {"dense_logp": dense_logp, "dense_entropy": dense_ent}
     if twin_spec is not None:
@@ -146,6 +181,8 @@ def token_stats(
             lora_scale=lora_scale,
             draft_start=draft_start,
             with_logits=True,
+            top_k=top_k,
+            top_p=top_p,
         )
         out["twin_logp"] = twin_logp
         out.update(token_mismatch(dense_logits, twin_logits))
@@ -164,6 +201,8 @@ def token_stats(
         "num_bins",
         "chunks",
         "draft_tokens",
+        "top_k",
+        "top_p",
     ),
 )
 def dense_and_twin(
@@ -185,8 +224,11 @@ def dense_and_twin(
     num_bins: int = 1,
     chunks: int = 1,
     draft_tokens: int = 0,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> dict:
-    """Teacher-forced log-probs of a rollout batch, no gradient.
+    """Teacher-forced log-probs of a rollout batch, no gradient (top_k / top_p: of the
+    rollout's truncated distributions, `token_logprobs`).
 
     Always: dense_logp / dense_entropy (theta, dense_spec, no adapter). With twin_spec
     (sparse modes): twin_logp, the rollout policy re-run teacher-forced (twin_spec with the
@@ -218,6 +260,8 @@ def dense_and_twin(
             twin_spec=twin_spec,
             lora_scale=lora_scale,
             draft_start=r["draft_start"],
+            top_k=top_k,
+            top_p=top_p,
         ),
         {"tokens": tokens_BxS, "pages": pages, "draft_start": None if draft is None else draft[0]},
         chunks,
@@ -397,6 +441,8 @@ class Settings:
     draft_tokens: int = 0  # speculative: the drafter's twin_accept_rate_<j>, j <= this
     twin_every: int = 1  # metrics.twin_every: where only the figures read the twin
     all_rows_every: int = 0  # metrics.all_rows_every: also all M generated rows
+    top_k: int = 0  # rl.top_k / rl.top_p: the log-probs of the rollout's truncation
+    top_p: float = 1.0
 
 
 def _draft_record(r: Rollout):
@@ -431,6 +477,8 @@ def of_rollout(graphdef, params, lora, r: Rollout, s: Settings, twin: bool = Tru
         twin_spec=s.twin_spec if twin else None,
         lora_scale=s.lora_scale,
         chunks=row_groups(r.tokens.shape[0], s),
+        top_k=s.top_k,
+        top_p=s.top_p,
         **_metric_settings(s),
     )
 

@@ -16,7 +16,7 @@ from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.config.validate import prune_positions, prune_sizes
 from dsparse_jax.model import draft_head, quality_head
 from dsparse_jax.parallel import sharding
-from dsparse_jax.rl import modes
+from dsparse_jax.rl import modes, objectives
 from dsparse_jax.rl.corrections import Correction
 from dsparse_jax.sampling.pruning import PruneConfig
 from dsparse_jax.sampling.sampler import SamplingConfig, buffer_length
@@ -29,16 +29,22 @@ RL_DATA_OFFSET = 10_000_000  # RL prompts come from train indices disjoint from 
 
 
 def grpo_settings(c, spec: AttentionSpec = AttentionSpec()) -> GRPOSettings:
+    """theta's update settings from the rl section: the policy loss (rl/objectives.py) with
+    its own clip range, the aggregation (auto: the loss's), truncated sampling."""
+    low, high = objectives.policy_loss(c.policy_loss).clip
     return GRPOSettings(
         temperature=c.temperature,
-        clip_low=c.clip_low,
-        clip_high=c.clip_high,
+        clip_low=c[low],
+        clip_high=c[high],
         dual_clip=c.dual_clip or None,
-        loss_agg=c.loss_agg,
+        loss_agg=objectives.loss_agg(c.loss_agg, c.policy_loss),
         kl_coef=c.kl_coef,
         kl_kind=c.kl_kind,
         microbatches=c.microbatches,
         spec=spec,
+        policy_loss=c.policy_loss,
+        top_k=c.top_k,
+        top_p=c.top_p,
     )
 
 
@@ -109,11 +115,18 @@ class Drafting:
 
 @dataclasses.dataclass(frozen=True)
 class Selection:
-    """The select phase: which n of each prompt's M samples it keeps, their advantages."""
+    """The select phase: the rewards' overlong shaping, which n of each prompt's M samples
+    it keeps, which groups train (dynamic sampling), their advantages, and the rows whose
+    loss is masked (docs/objectives.md, "Which rows train")."""
 
     kind: str  # rl.selection: reward | acceptance (rate vs the dense policy)
     acceptance_c: float  # rl.acceptance_C
-    scale_adv_by_std: bool  # False: Dr. GRPO
+    advantage: str = "grpo"  # a key of rl/objectives.ADVANTAGES
+    dynamic: bool = False  # rl.dynamic_sampling.enabled (DAPO)
+    max_draws: int = 1  # rollouts of prompts_per_step prompts per RL step, at most
+    overlong_buffer: int = 0  # rl.overlong.buffer: L_cache (0: no shaping)
+    overlong_penalty: float = 1.0
+    overlong_filter: bool = False  # mask the loss of truncated rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,7 +254,7 @@ def make_setup(ctx: RunContext) -> RLSetup:
             clip_low=c.clip_low,
             clip_high=c.clip_high,
             dual_clip=c.dual_clip or None,
-            loss_agg=c.loss_agg,
+            loss_agg=objectives.loss_agg(c.loss_agg, c.policy_loss),
             microbatches=c.microbatches,
         )
     bins = max(1, math.ceil(ctx.task.completion_budget() / ctx.config.metrics.position_bin))
@@ -252,7 +265,11 @@ def make_setup(ctx: RunContext) -> RLSetup:
         plan=plan,
         prompts_per_step=c.prompts_per_step,
         seed=ctx.config.seed,
-        sampling=rollouts.sampling_config(ctx, c.temperature, m, c.grow_buffer_from),
+        sampling=dataclasses.replace(
+            rollouts.sampling_config(ctx, c.temperature, m, c.grow_buffer_from),
+            top_k=c.top_k,
+            top_p=c.top_p,
+        ),
         rollout_spec=rollout_spec,
         lora_scale=lora_scale,
         pruning=pruning_from(c, ctx.model_cfg.d_model),
@@ -262,7 +279,16 @@ def make_setup(ctx: RunContext) -> RLSetup:
         if c.rollout_chunk_rows
         else 1,
         n=n,
-        selection=Selection(c.selection, c.acceptance_C, c.scale_adv_by_std),
+        selection=Selection(
+            c.selection,
+            c.acceptance_C,
+            advantage=objectives.advantage_name(c.advantage, c.scale_adv_by_std),
+            dynamic=c.dynamic_sampling.enabled,
+            max_draws=c.dynamic_sampling.max_draws if c.dynamic_sampling.enabled else 1,
+            overlong_buffer=c.overlong.buffer,
+            overlong_penalty=c.overlong.penalty,
+            overlong_filter=c.overlong.filter,
+        ),
         recompute=recompute.Settings(
             temperature=c.temperature,
             dense_spec=ctx.spec,
@@ -276,6 +302,8 @@ def make_setup(ctx: RunContext) -> RLSetup:
             draft_tokens=c.draft_tokens if mode.speculative else 0,
             twin_every=ctx.config.metrics.twin_every,
             all_rows_every=ctx.config.metrics.all_rows_every,
+            top_k=c.top_k,
+            top_p=c.top_p,
         ),
         minibatches=c.minibatches,
         grpo=grpo_settings(c, trainer_spec),
