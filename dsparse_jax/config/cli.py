@@ -57,6 +57,36 @@ def apply_override(config, dotted: str, text) -> None:
     section[name] = parse_value(text, section.get_type(name), dotted)
 
 
+def packaged_configs() -> dict[str, str]:
+    """{name: path} of the configs that ship with the package (dsparse_jax.configs: the
+    checkout's configs/ directory, installed with it)."""
+    try:
+        from importlib import resources
+
+        root = resources.files("dsparse_jax.configs")
+    except ModuleNotFoundError:
+        return {}
+    return {
+        f.name[: -len(".py")]: str(f)
+        for f in root.iterdir()
+        if f.name.endswith(".py") and not f.name.startswith("_")
+    }
+
+
+def config_path(path: str) -> str:
+    """A config file: `path` itself, else the packaged config it names (gemma_math,
+    gemma_math.py or configs/gemma_math.py, from any directory); a UserError otherwise."""
+    if os.path.isfile(path):
+        return path
+    name = os.path.basename(path).removesuffix(".py")
+    packaged = packaged_configs()
+    if name in packaged and os.path.isfile(packaged[name]):
+        return packaged[name]
+    raise UserError(
+        f"--config: no such config file {path!r} (packaged: {', '.join(sorted(packaged))})"
+    )
+
+
 def load_config(path: str, overrides: dict | None = None):
     """get_config() of a config file with `overrides` ({"rl.learning_rate": "1e-4"})."""
     from dsparse_jax.config import schema
@@ -64,8 +94,7 @@ def load_config(path: str, overrides: dict | None = None):
 
     if not path:
         raise UserError("--config: give a config file, e.g. --config=configs/gemma_math.py")
-    if not os.path.isfile(path):
-        raise UserError(f"--config: no such config file {path!r}")
+    path = config_path(path)
     try:
         config = load_file(path)
     except Exception as e:  # the file is the user's: any failure to load it is theirs

@@ -1,0 +1,165 @@
+"""One full RL step per rollout mode, in one process, with a phase breakdown, at several
+generation lengths (task.num_terms: ~11 completion tokens per term).
+
+  python -m dsparse_jax.bench.rl_step --terms=4,8,16 --modes=dense,distillsparse --steps=3 \
+      [--config=configs/gemma_math.py --config.sparse.budget=6 ...]
+
+Per (length, mode): one untimed step (compiles), then the median over
+--steps timed steps of each phase (train/phases.py): rollout, score (rewards), select
+(the oversampling filter), recompute (dense teacher-forced forward, plus the actor's twin
+and the mismatch metrics in sparse modes), update_theta, update_phi (the sparse + LoRA
+teacher-forced forward and backward, and the phi optimizer step). Weights are the fresh random init unless
+--params_from names a run directory with a finished SFT warm start (<dir>/sft): a
+random model often emits EOS after a few dozen tokens, so the timing benchmark uses
+--ignore_eos=true (default): every completion runs to the full generation budget, as in
+rollout benchmarks that fix the output length (rewards, and hence the gradients, are then
+mostly zero; the work per phase is the same). Prints a table and writes JSON to --out.
+"""
+
+import copy
+import dataclasses
+import json
+import statistics
+
+from dsparse_jax.config import cli
+from dsparse_jax.errors import UserError
+
+PHASES = (  # train/phases.py: time_<phase> of every phase, and their sum
+    "time_rollout",
+    "time_score",
+    "time_select",
+    "time_recompute",
+    "time_update_theta",
+    "time_update_phi",
+    "time_step",
+)
+
+
+def _sft_params(ctx, workdir):
+    from dsparse_jax.train import sft
+
+    restored = sft.restore(ctx, workdir)
+    if restored is None:
+        raise UserError(f"--params_from: no SFT checkpoint under {workdir}/sft")
+    return restored[0]
+
+
+class _NoEos:
+    """The run's tokenizer with an EOS id no token has and no other stop tokens: rollouts
+    run to the budget."""
+
+    def __init__(self, tok):
+        self._tok = tok
+        self.eos_id = -1
+        self.stop_ids = frozenset({-1})
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+def parse_args(argv: list[str]):
+    p = cli.ArgumentParser(
+        prog="python -m dsparse_jax.bench.rl_step", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--terms", type=cli.comma_list(int), default=[4, 8, 16], help="task.num_terms")
+    p.add_argument(
+        "--modes", type=cli.comma_list(), default=["dense", "distillsparse"], help="rl.rollout_mode"
+    )
+    p.add_argument("--steps", type=int, default=3, help="timed steps per (length, mode)")
+    p.add_argument("--out", default="bench_rl_step.json", help="JSON results path")
+    p.add_argument("--params_from", default=None, help="run dir whose SFT (<dir>/sft) is theta")
+    p.add_argument(
+        "--ignore_eos",
+        type=cli.boolean,
+        nargs="?",
+        const=True,
+        default=True,
+        help="generate the full budget (EOS never ends a completion)",
+    )
+    return p.parse_args(argv)
+
+
+def bench(config, args):
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)
+    import jax
+    import jax.numpy as jnp
+
+    from dsparse_jax.config.validate import validate
+    from dsparse_jax.train import context, phases, rl_state, trainables
+
+    results = []
+    for terms in args.terms:
+        base = copy.deepcopy(config)
+        base.task.num_terms = terms
+        if not base.task.repeat_terms:
+            base.task.num_vars = max(base.task.num_vars, terms)
+        ctx = context.build(base)
+        params0 = _sft_params(ctx, args.params_from) if args.params_from else ctx.init_params
+        budget = ctx.task.completion_budget()
+        row = {}
+        for mode in args.modes:
+            c = copy.deepcopy(base)
+            c.rl.rollout_mode = mode
+            validate(c)
+            tok = _NoEos(ctx.tok) if args.ignore_eos else ctx.tok
+            run = dataclasses.replace(ctx, config=c, tok=tok)
+            setup = rl_state.make_setup(run)
+            st = trainables.init_state(run, setup, jax.tree.map(jnp.copy, params0))
+            rng = jax.random.key(0)
+            timed = []
+            for step in range(args.steps + 1):
+                rng, k = jax.random.split(rng)
+                st, m = phases.rl_step(run, setup, st, k, step)
+                if step:
+                    timed.append(m)
+            med = {p: statistics.median(t.get(p, 0.0) for t in timed) for p in PHASES}
+            med["response_length_mean"] = statistics.mean(t["response_length_mean"] for t in timed)
+            med.update(
+                mode=mode,
+                num_terms=terms,
+                completion_budget=budget,
+                batch_rows=c.rl.prompts_per_step * c.rl.samples_per_prompt,
+                ignore_eos=args.ignore_eos,
+            )
+            row[mode] = med
+            results.append(med)
+            print(
+                f"[bench] terms {terms} (budget {budget} tokens) {mode}: "
+                + " ".join(f"{p[5:]} {med[p]:.3f}s" for p in PHASES)
+                + f" | mean length {med['response_length_mean']:.1f}",
+                flush=True,
+            )
+        if "dense" in row:
+            d = row["dense"]
+            print(
+                f"[bench] terms {terms}: dense rollout share "
+                f"{d['time_rollout'] / d['time_step']:.1%}",
+                flush=True,
+            )
+            for mode, r in row.items():
+                if mode != "dense":
+                    distill_cost = r["time_update_phi"]
+                    print(
+                        f"[bench] terms {terms}: {mode} speedup vs dense "
+                        f"{d['time_step'] / r['time_step']:.2f}x; rollout "
+                        f"{d['time_rollout'] / max(r['time_rollout'], 1e-9):.2f}x; "
+                        f"distillation phases / dense update "
+                        f"{distill_cost / max(d['time_update_theta'], 1e-9):.2f}",
+                        flush=True,
+                    )
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"[bench] wrote {args.out}", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    path, overrides, rest = cli.split_config_args(argv)
+    args = parse_args(rest)
+    bench(cli.load_config(path or "configs/gemma_math.py", overrides), args)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

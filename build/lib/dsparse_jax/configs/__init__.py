@@ -1,0 +1,1 @@
+"""The shipped configs (installed as dsparse_jax.configs): configs/<name>.py, --config=<name>."""

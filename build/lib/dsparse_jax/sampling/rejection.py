@@ -1,0 +1,70 @@
+"""Speculative acceptance: which drafted tokens a verifier keeps, and the token after them.
+
+Standard speculative sampling (Leviathan et al. 2023; Chen et al. 2023), per row, over the
+k drafted tokens x_1..x_k and the verifier's distributions p_0..p_k (p_j is the target's
+distribution for the token after x_1..x_j):
+
+- a draft with probabilities q_j: x_{j+1} is accepted with probability
+  min(1, p_j(x_{j+1}) / q_j(x_{j+1})); the first rejection at j is replaced by a sample
+  from normalise(max(0, p_j - q_j));
+- a deterministic draft (a proposed token, no q): x_{j+1} is accepted with probability
+  p_j(x_{j+1}) (q is the point mass at x_{j+1}); a rejection is replaced by a sample from
+  p_j with x_{j+1} removed, renormalised;
+- all valid drafts accepted: a bonus token from p_{k_B}.
+
+Every emitted token is then an exact sample of p (the verifier's truncated distribution,
+`sampler.sampling_logprobs`). Greedy (temperature 0): a draft is accepted iff it is the
+verifier's argmax, and the replacement / bonus is the argmax, token for token what plain
+greedy decoding produces.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def accept(logp_BxTxV, drafts_BxK, draft_probs_BxKxV, num_drafts_B, key, greedy: bool):
+    """Returns (accepted_B: the number of leading drafts kept, in [0, num_drafts_B];
+    next_B: the replacement at the first rejection, or the bonus token; accepted_BxK: the
+    per-position acceptance outcomes, valid where position < num_drafts_B).
+
+    logp_BxTxV: T = k + 1 verifier log-probs of the distribution sampled from (-inf outside
+      the truncation); drafts_BxK: the proposed tokens; draft_probs_BxKxV: the draft's
+      (truncated) probabilities, or None for a deterministic draft; num_drafts_B: how many
+      leading drafts of each row are real (the others are ignored).
+    """
+    b, k = drafts_BxK.shape
+    valid_BxK = jnp.arange(k)[None] < num_drafts_B[:, None]
+    if greedy:
+        ok_BxK = drafts_BxK == jnp.argmax(logp_BxTxV[:, :k], axis=-1)
+    else:
+        key_u, key_r = jax.random.split(key)
+        p_x = jnp.exp(jnp.take_along_axis(logp_BxTxV[:, :k], drafts_BxK[..., None], -1)[..., 0])
+        if draft_probs_BxKxV is None:
+            q_x = jnp.ones_like(p_x)
+        else:
+            q_x = jnp.take_along_axis(draft_probs_BxKxV, drafts_BxK[..., None], -1)[..., 0]
+        u = jax.random.uniform(key_u, (b, k))
+        ok_BxK = u * q_x < p_x  # u < p / q, without dividing by a zero q
+    ok_BxK = ok_BxK & valid_BxK
+    accepted_B = jnp.sum(jnp.cumprod(ok_BxK.astype(jnp.int32), axis=1), axis=1)
+
+    rows = jnp.arange(b)
+    logp_BxV = logp_BxTxV[rows, accepted_B]  # the distribution of the next token
+    if greedy:
+        return accepted_B, jnp.argmax(logp_BxV, axis=-1).astype(jnp.int32), ok_BxK
+    rejected_B = accepted_B < num_drafts_B
+    j_B = jnp.minimum(accepted_B, k - 1)  # the rejected position (when there is one)
+    p_BxV = jnp.exp(logp_BxV)
+    if draft_probs_BxKxV is None:
+        remove = jax.nn.one_hot(drafts_BxK[rows, j_B], p_BxV.shape[-1], dtype=bool)
+        residual_BxV = jnp.where(remove, 0.0, p_BxV)
+    else:
+        residual_BxV = jnp.maximum(p_BxV - draft_probs_BxKxV[rows, j_B], 0.0)
+    # A rejection has probability sum(residual) > 0; the guard only catches float
+    # round-off (p and q equal up to rounding) and rows without a rejection.
+    use_residual = rejected_B & (residual_BxV.sum(-1) > 0)
+    residual_BxV = jnp.where(use_residual[:, None], residual_BxV, p_BxV)
+    next_B = jax.random.categorical(key_r, jnp.log(residual_BxV), axis=-1)
+    return accepted_B, next_B.astype(jnp.int32), ok_BxK
