@@ -284,3 +284,14 @@ def test_every_model_field_can_be_overridden():
     assert (got.num_kv_heads, got.layer_pattern, got.qk_norm) == (2, ("global",), False)
     assert got.head_dim == preset("tiny").head_dim  # unset: the preset's value
     assert got.d_model == 128  # the default job's own value
+
+
+def test_a_config_by_name_or_from_another_directory(tmp_path, monkeypatch):
+    """--config takes a shipped config's name (gemma_math, gemma_math.py) or its checkout
+    path from any directory (the default, configs/gemma_math.py, included)."""
+    monkeypatch.chdir(tmp_path)
+    want = os.path.join(ROOT, "configs", "gemma_math.py")
+    for name in ("gemma_math", "gemma_math.py", "configs/gemma_math.py"):
+        assert os.path.samefile(cli.config_path(name), want)
+    with pytest.raises(UserError, match="no such config file 'nope'.*packaged: .*gemma_math"):
+        cli.config_path("nope")
