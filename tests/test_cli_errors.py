@@ -179,7 +179,11 @@ CASES = [
     ),
     (
         "bare_path_missing",
-        ["--config.data.source=/nonexistent/train.parquet", "--config.sft.enabled=false"],
+        [
+            "--config.data.source=/nonexistent/train.parquet",
+            "--config.sft.enabled=false",
+            "--config.tokenizer.path={d}/tokenizer.model",
+        ],
         "data source 'parquet:/nonexistent/train.parquet': no such file",
     ),
     (
@@ -194,7 +198,7 @@ CASES = [
             "--config.sft.enabled=false",
             "--config.tokenizer.path={d}/tokenizer.model",
         ],
-        "data source jsonl:{d}/missing.jsonl: no such file",
+        "data source 'jsonl:{d}/missing.jsonl': no such file",
     ),
     (
         "checkpoint_dir_is_a_file",
@@ -216,13 +220,11 @@ def _expect(res, text):
 def test_bad_invocations_print_one_line_and_exit_2(files, tmp_path):
     assert len(CASES) >= 20
     d = str(files)
-    default_workdir = [f"--workdir={tmp_path}/run"]
-
     argvs = []
-    for _, args, _ in CASES:
+    for i, (_, args, _) in enumerate(CASES):
         args = [a.format(d=d) for a in args]
         if not any(a.startswith("--workdir") for a in args):
-            args += default_workdir
+            args.append(f"--workdir={tmp_path}/run{i}")  # its own: no case sees another's
         argvs.append(args)
     results = [
         (name, res, text.format(d=d))

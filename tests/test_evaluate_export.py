@@ -2,7 +2,6 @@
 match the run's own final evaluation, the export reloads in transformers (and peft) with
 the trained run's logits, and the exported checkpoint evaluates like the run."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -194,11 +193,8 @@ def test_a_run_with_another_model_leaves_the_workdir_as_it_was(workdir):
 
 
 def test_eval_files_are_named_by_their_data():
-    spec = importlib.util.spec_from_file_location(
-        "evaluate", os.path.join(ROOT, "launch", "evaluate.py")
-    )
-    evaluate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(evaluate)
+    from dsparse_jax.commands import evaluate
+
     a = evaluate.data_tag("parquet:/data/gsm8k/test.parquet")
     b = evaluate.data_tag("parquet:/data/math/test.parquet")
     assert a.startswith("test-") and b.startswith("test-") and a != b

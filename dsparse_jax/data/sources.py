@@ -127,7 +127,7 @@ def source_paths(scheme: str, target: str) -> list[str]:
         missing = [p for p in found if not exists(p)]
         if not found or missing:
             what = "directory" if scheme == "hf_disk" else "file"
-            raise FileNotFoundError(f"data source {scheme}:{part}: no such {what}")
+            raise FileNotFoundError(f"data source {scheme + ':' + part!r}: no such {what}")
         out += found
     return out
 

@@ -86,7 +86,8 @@ def _user_input(field: str):
 
 def _data_task(config):
     """(task, tokenizer) of config.data.source."""
-    scheme, target = sources.parse_uri(config.get("data", {}).get("source", "synthetic:chain"))
+    with _user_input("data.source"):
+        scheme, target = sources.parse_uri(config.get("data", {}).get("source", "synthetic:chain"))
     if scheme == "synthetic":
         if target != "chain":
             raise ConfigError(f"config.data.source: unknown synthetic task {target!r} (chain)")

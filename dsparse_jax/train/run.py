@@ -107,11 +107,13 @@ def _resolved_model(config) -> dict:
 
 def check_workdir(workdir: str, config) -> None:
     """Stops (a UserError naming the fields) before anything is written when the workdir
-    holds a run whose config differs from `config` in a field its checkpoints depend on
-    (IDENTITY); unset model fields (None: the preset's) match the recorded values."""
+    holds a run (its SFT or RL checkpoints) whose config differs from `config` in a field
+    those checkpoints depend on (IDENTITY); unset model fields (None: the preset's) match
+    the recorded values."""
     path = os.path.join(workdir, "config.json")
-    if not os.path.isfile(path):
-        return
+    trained = any(os.path.exists(os.path.join(workdir, d)) for d in ("checkpoints", "sft"))
+    if not trained or not os.path.isfile(path):
+        return  # nothing its config matters for (e.g. a run that stopped at a bad input)
     try:
         with open(path) as f:
             before = json.load(f)

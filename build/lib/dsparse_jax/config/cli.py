@@ -59,15 +59,19 @@ def apply_override(config, dotted: str, text) -> None:
 
 def packaged_configs() -> dict[str, str]:
     """{name: path} of the configs that ship with the package (dsparse_jax.configs: the
-    checkout's configs/ directory, installed with it)."""
-    try:
-        from importlib import resources
+    checkout's configs/ directory, installed with it; run from a checkout, that directory)."""
+    from importlib import resources
 
+    try:
         root = resources.files("dsparse_jax.configs")
     except ModuleNotFoundError:
-        return {}
+        import dsparse_jax
+
+        root = resources.files(dsparse_jax).joinpath("..", "configs")
+        if not root.is_dir():
+            return {}
     return {
-        f.name[: -len(".py")]: str(f)
+        f.name[: -len(".py")]: os.path.normpath(str(f))
         for f in root.iterdir()
         if f.name.endswith(".py") and not f.name.startswith("_")
     }
