@@ -563,3 +563,22 @@ def test_phi_settings_allowed():
             section, name = k.split("__")
             c[section][name] = v
         validate(c)
+
+
+def test_the_default_correction_is_the_modes(ctx):
+    """rl.is_correction=auto (the default): TIS on theta's update in distillsparse (its
+    uncorrected update collapsed both policies, issue 39), none for the other modes (naive
+    sparse stays the uncorrected baseline); an explicit value wins."""
+    assert ctx.config.rl.is_correction == "auto"
+    kinds = {
+        mode: rl_state.make_setup(_with(ctx, rl__rollout_mode=mode)).correction.kind
+        for mode in ("distillsparse", "sparse", "dense", "sparse_train")
+    }
+    assert kinds == {
+        "distillsparse": "tis",
+        "sparse": "none",
+        "dense": "none",
+        "sparse_train": "none",
+    }
+    explicit = _with(ctx, rl__rollout_mode="distillsparse", rl__is_correction="none")
+    assert rl_state.make_setup(explicit).correction.kind == "none"

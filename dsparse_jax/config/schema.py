@@ -239,7 +239,9 @@ def defaults() -> ml_collections.ConfigDict:
     c.rl.overlong.penalty = 1.0
     c.rl.overlong.filter = False
     c.rl.acceptance_C = 1.0  # Bernoulli test probability min(1, p_dense / (C p_sparse))
-    c.rl.is_correction = "none"  # none | tis | mis (vs the rollout log-probs), any mode
+    # auto | none | tis | mis (vs the rollout log-probs), any mode; auto: the mode's
+    # (rl/modes.py: tis for distillsparse, whose uncorrected update collapsed; else none)
+    c.rl.is_correction = "auto"
     c.rl.tis_cap = 2.0  # TIS weight min(pi_old / mu, C)
     c.rl.mis_lo = 0.5  # MIS keeps tokens with ratio in [lo, hi]
     c.rl.mis_hi = 2.0

@@ -430,7 +430,9 @@ def _validate_modes(c) -> None:
     _check(r.selection in ("reward", "acceptance"), "rl.selection", "must be reward or acceptance")
     _check(r.acceptance_C > 0, "rl.acceptance_C", "must be > 0")
     _check(
-        r.is_correction in ("none", "tis", "mis"), "rl.is_correction", "must be none, tis or mis"
+        r.is_correction in ("auto",) + modes.CORRECTIONS,
+        "rl.is_correction",
+        "must be auto, none, tis or mis",
     )
     _check(r.tis_cap > 0, "rl.tis_cap", "must be > 0")
     _check(0 < r.mis_lo <= 1, "rl.mis_lo", "must be in (0, 1]")

@@ -121,6 +121,10 @@ class RolloutMode:
     trainer_sparse: bool  # the trainer runs the actor's sparse twin on the rollout's pages
     description: str
     speculative: bool = False  # the dense policy verifies the actor's drafts (exact rollout)
+    # theta's off-policy correction under rl.is_correction=auto (the default): distillsparse
+    # weighs the actor's tokens by TIS; without it theta's update on them collapsed both
+    # policies (issue 39, docs/miniature.md). naive sparse stays the uncorrected baseline.
+    correction: str = "none"
 
     def __post_init__(self):
         if self.updates_phi and not self.actor_lora:
@@ -176,6 +180,7 @@ MODES = {
             updates_phi=True,
             trainer_sparse=False,
             description="DistillSparse (sparse + LoRA actor, LoRA distillation)",
+            correction="tis",
         ),
         RolloutMode(
             "speculative",
@@ -195,6 +200,14 @@ DRAFTS = {
     "history": dict(actor_sparse=False, actor_lora=False, updates_phi=False),
     "draft_head": dict(actor_sparse=False, actor_lora=False, updates_phi=False),
 }
+
+
+CORRECTIONS = ("none", "tis", "mis")  # rl.is_correction; "auto": the mode's `correction`
+
+
+def correction_for(mode: RolloutMode, setting: str) -> str:
+    """theta's correction: rl.is_correction, or with "auto" the mode's."""
+    return mode.correction if setting == "auto" else setting
 
 
 def get(name: str, draft: str = "sparse_self") -> RolloutMode:

@@ -307,7 +307,9 @@ def make_setup(ctx: RunContext) -> RLSetup:
         ),
         minibatches=c.minibatches,
         grpo=grpo_settings(c, trainer_spec),
-        correction=Correction(c.is_correction, c.tis_cap, c.mis_lo, c.mis_hi, c.mis_level),
+        correction=Correction(
+            modes.correction_for(mode, c.is_correction), c.tis_cap, c.mis_lo, c.mis_hi, c.mis_level
+        ),
         distill=dset,
         phi_row_stride=ctx.config.distill.row_stride,
     )
