@@ -5,6 +5,7 @@ embedded task."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -30,6 +31,13 @@ TINY = [
 
 @pytest.mark.slow
 def test_installed_console_commands_run_from_anywhere(tmp_path):
+    src = tmp_path / "src"  # a copy: building in the checkout would leave build/ there
+    for name in ("dsparse_jax", "pallas_kernels", "configs"):
+        shutil.copytree(
+            os.path.join(ROOT, name), src / name, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    for name in ("pyproject.toml", "setup.py"):
+        shutil.copy(os.path.join(ROOT, name), src / name)
     venv = tmp_path / "venv"
     subprocess.run(
         [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],

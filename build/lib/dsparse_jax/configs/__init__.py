@@ -1,1 +1,0 @@
-"""The shipped configs (installed as dsparse_jax.configs): configs/<name>.py, --config=<name>."""
