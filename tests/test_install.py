@@ -54,7 +54,7 @@ def test_installed_console_commands_run_from_anywhere(tmp_path):
             "-q",
             "--no-deps",
             "--no-build-isolation",
-            ROOT,
+            str(src),
         ],
         capture_output=True,
         text=True,
