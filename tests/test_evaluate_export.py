@@ -200,6 +200,8 @@ def test_eval_files_are_named_by_their_data():
     assert a.startswith("test-") and b.startswith("test-") and a != b
     assert evaluate.data_tag("synthetic:chain").startswith("chain-")
     assert evaluate.data_tag("hf_disk:/data/gsm8k_dd/").startswith("gsm8k_dd-")
+    assert evaluate.data_tag("/d/a.jsonl,/d/b.jsonl").startswith("a+1-")
+    assert evaluate.data_tag("parquet:/d/train-*.parquet").startswith("train-x-")
 
 
 def test_transformers_caveats():

@@ -69,11 +69,15 @@ def _policies(ctx, args):
 
 
 def data_tag(source: str) -> str:
-    """A file-name tag of a data source: its file or directory name and a short hash of the
-    whole source ("parquet:/data/gsm8k/test.parquet" -> "test-1a2b3c")."""
-    name = os.path.splitext(os.path.basename(source.split(":", 1)[-1].rstrip("/")))[0]
+    """A file-name tag of a data source: its (first) file or directory name, "+N" for N more
+    comma-listed parts, and a short hash of the whole source ("parquet:/data/gsm8k/test.parquet"
+    -> "test-1a2b3c"; "/d/a.jsonl,/d/b.jsonl" -> "a+1-..."; "/d/train-*.parquet" ->
+    "train-x-...")."""
+    parts = source.split(":", 1)[-1].split(",")
+    name = os.path.splitext(os.path.basename(parts[0].rstrip("/")))[0].replace("*", "x")
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", name) or "data"
-    return f"{name}-{hashlib.sha1(source.encode()).hexdigest()[:6]}"
+    more = f"+{len(parts) - 1}" if len(parts) > 1 else ""
+    return f"{name}{more}-{hashlib.sha1(source.encode()).hexdigest()[:6]}"
 
 
 def table(results: dict) -> str:
