@@ -78,23 +78,16 @@ _LLAMA3 = [
 ]
 # family -> the special tokens (ids 0..), BOS added by the post-processor, eos, pad, the
 # stop tokens of generation_config.json and the chat template.
+_CHATML_STYLE = dict(
+    specials=_CHATML,
+    bos=None,
+    eos="<|im_end|>",
+    pad="<|endoftext|>",
+    stops=["<|im_end|>", "<|endoftext|>"],
+)
 BPE_STYLES = {
-    "qwen2": dict(
-        specials=_CHATML,
-        bos=None,
-        eos="<|im_end|>",
-        pad="<|endoftext|>",
-        stops=["<|im_end|>", "<|endoftext|>"],
-        template=QWEN2_TEMPLATE,
-    ),
-    "qwen3": dict(
-        specials=_CHATML,
-        bos=None,
-        eos="<|im_end|>",
-        pad="<|endoftext|>",
-        stops=["<|im_end|>", "<|endoftext|>"],
-        template=QWEN3_TEMPLATE,
-    ),
+    "qwen2": dict(_CHATML_STYLE, template=QWEN2_TEMPLATE),
+    "qwen3": dict(_CHATML_STYLE, template=QWEN3_TEMPLATE),
     "llama": dict(
         specials=_LLAMA3,
         bos="<|begin_of_text|>",
