@@ -5,8 +5,13 @@
   plain sampler's and the dense teacher-forced ones (1e-4).
 - Distribution: at temperature 1, with and without top-k / top-p, the sequences of 3
   tokens over a 5-token vocabulary follow the dense policy's exact probabilities
-  (chi-square over all 125 sequences, cells expecting < 5 pooled, at p = 1e-4); planted bugs (the rejected token left in the
-  residual, q reported without its truncation, every draft accepted) fail the same test.
+  (chi-square over all 125 sequences, cells expecting < 5 pooled, at p = 1e-4), for every
+  drafter and history mode (latest, counts-q chain, tree); planted bugs (the rejected token
+  left in the residual, a rejected tree sibling left in it, a tree node that sees a
+  non-ancestor, q reported without its truncation, every draft accepted) fail the same
+  test.
+- Tree verify: each node's logits equal a dense forward of its path (1e-4); the cache
+  after the accepted path is moved equals a dense prefill (1e-5).
 - Cache: after rejections the KV cache and the page summaries equal a dense prefill of
   the accepted tokens (1e-5).
 - The learned draft head: its loss falls on a fixed batch; its prefill + decode logits
@@ -61,8 +66,17 @@ def model():
     return graphdef, state, phi
 
 
-def _speculative_cfg(draft, **kw):
-    return SP.SpeculativeConfig(draft=draft, draft_tokens=3, **kw)
+# Test ids of the drafters: the history drafter's modes (rl.history_draft) are their own.
+HISTORY_IDS = {"history": "latest", "history_counts": "counts", "history_tree": "tree"}
+ALL_DRAFTS = ["sparse_self", *HISTORY_IDS, "draft_head"]
+
+
+def _speculative_cfg(draft, draft_tokens=3, **kw):
+    if draft in HISTORY_IDS:
+        kw.update(draft="history", history_draft=HISTORY_IDS[draft])
+    else:
+        kw.update(draft=draft)
+    return SP.SpeculativeConfig(draft_tokens=draft_tokens, **kw)
 
 
 def _teacher_logprobs(graphdef, state, tokens_BxS, cfg):
@@ -118,7 +132,7 @@ def test_draft_head_loss_falls_on_a_fixed_batch(trained_head):
     assert m["top1_agree"] < 0.5  # the untrained head disagreed
 
 
-@pytest.mark.parametrize("draft", ["sparse_self", "history", "draft_head"])
+@pytest.mark.parametrize("draft", ALL_DRAFTS)
 def test_greedy_equals_plain_greedy(model, trained_head, draft):
     graphdef, state, phi = model
     eos = _eos_inside(graphdef, state)
@@ -128,7 +142,7 @@ def test_greedy_equals_plain_greedy(model, trained_head, draft):
     assert (ncomp < MAX_NEW).any() and (ncomp == MAX_NEW).any()  # EOS ends some rows early
 
     history = None
-    if draft == "history":  # the bank holds one earlier (here: the same) rollout per prompt
+    if draft in HISTORY_IDS:  # the bank holds one earlier (here: the same) rollout per prompt
         rows = np.asarray(plain.tokens)[::2]
         lengths = np.asarray(plain.lengths)[::2]
         history = SP.History(jnp.asarray(rows[:, None]), jnp.asarray(lengths[:, None]))
@@ -136,7 +150,7 @@ def test_greedy_equals_plain_greedy(model, trained_head, draft):
     # The history run names the stop token in stop_ids instead of eos_id (a checkpoint's
     # several stop tokens): the speculative loop ends rows at either.
     spec_cfg = cfg
-    if draft == "history":
+    if draft in HISTORY_IDS:
         spec_cfg = dataclasses.replace(cfg, eos_id=VOCAB + 1, stop_ids=(eos,))
     r, stats = SP.SpeculativeSampler(graphdef)(
         state,
@@ -161,7 +175,7 @@ def test_greedy_equals_plain_greedy(model, trained_head, draft):
     np.testing.assert_allclose(np.asarray(r.logprobs)[mask], teacher[mask], atol=LP_TOL)
     m = SP.acceptance_summary(stats, 3)
     assert float(m["spec_accept_length"]) > 1.0  # drafts were accepted
-    if draft == "history":  # the bank holds the answer: nearly every draft is accepted
+    if draft in HISTORY_IDS:  # the bank holds the answer: nearly every draft is accepted
         assert float(m["spec_accept_length"]) > 3.0
     if draft == "draft_head":  # it agrees with the policy's argmax on these rows (> 0.95)
         assert float(m["spec_accept_rate_1"]) > 0.9, m
@@ -322,6 +336,70 @@ def test_cache_and_summaries_after_rejections_equal_plain(model):
             np.testing.assert_allclose(np.asarray(got["ksum"]), np.asarray(want["ksum"]), atol=1e-5)
 
 
+def test_tree_verify_equals_dense_forward_and_prefill(model):
+    """One extend over a token tree (width 2, depth 3, sparse cache): every node's logits
+    equal a dense forward of the prompt and the node's path (1e-4); after the accepted
+    path's keys and values are moved to their positions and the summaries refreshed, the
+    cache's keys, values and page summaries equal a dense prefill of the prompt and the
+    path (1e-5). A node that saw a non-ancestor, or a path left at its tree slots, fails."""
+    from flax import nnx
+
+    from dsparse_jax.attention import cache as kv_cache
+    from dsparse_jax.attention import dense
+    from dsparse_jax.model import transformer
+
+    graphdef, state, _ = model
+    m = nnx.merge(graphdef, state)
+    b, s = len(LENGTHS), 16
+    cur = jnp.asarray(LENGTHS)  # the root (the row's last token) sits at the prompt's end
+    parent = np.array([0, 0, 0, 1, 2, 3, 3])  # nodes 1, 2 | 3, 4 | 5, 6 by depth
+    depth = np.array([0, 1, 1, 2, 2, 3, 3])
+    tokens = np.random.default_rng(4).integers(2, VOCAB, (b, 7))
+    parent_BxT = jnp.broadcast_to(jnp.asarray(parent, jnp.int32), (b, 7))
+    tree = dense.Tree(
+        jnp.broadcast_to(jnp.asarray(depth), (b, 7)), SP.tree_ancestors(parent_BxT, 3)
+    )
+    caches = m.init_cache(b, s, SPARSE)
+    _, caches = m.prefill(jnp.asarray(PROMPTS), cur, caches, SPARSE)
+    logits, caches = m.extend(jnp.asarray(tokens), cur, caches, SPARSE, tree=tree)
+
+    def path_of(t):
+        path = [t]
+        while path[-1]:
+            path.append(parent[path[-1]])
+        return path[::-1]
+
+    def with_path(path):  # prompt + the path's tokens, right-padded to s
+        rows = np.zeros((b, s), np.int64)
+        for i, n in enumerate(LENGTHS):
+            rows[i, :n] = PROMPTS[i, :n]
+            rows[i, n : n + len(path)] = tokens[i, path]
+        return jnp.asarray(rows)
+
+    for t in range(7):
+        full = m.forward(with_path(path_of(t)), DENSE)
+        want = np.asarray(full)[np.arange(b), LENGTHS + depth[t]]
+        np.testing.assert_allclose(np.asarray(logits[:, t]), want, atol=1e-4, err_msg=f"node {t}")
+
+    path = path_of(4)  # [0, 2, 4]: two drafts accepted
+    path_BxD = jnp.asarray(np.broadcast_to(path + [4], (b, 4)), jnp.int32)
+    moved = [kv_cache.move_path(c, cur, path_BxD, jnp.full((b,), 3)) for c in caches]
+    moved = [
+        kv_cache.refresh_summaries(c, cur, 7, cur + 3, transformer.layer_info(CFG, i), SPARSE)
+        for i, c in enumerate(moved)
+    ]
+    ref = m.init_cache(b, s, SPARSE)
+    _, ref = m.prefill(with_path(path), cur + 3, ref, SPARSE)
+    pos_ok = np.arange(s)[None, None, :, None] < (LENGTHS + 3)[:, None, None, None]
+    for got, want in zip(moved, ref):
+        for name in ("k", "v"):
+            np.testing.assert_allclose(
+                np.where(pos_ok, got[name], 0), np.where(pos_ok, want[name], 0), atol=1e-5
+            )
+        if "ksum" in want:
+            np.testing.assert_allclose(np.asarray(got["ksum"]), np.asarray(want["ksum"]), atol=1e-5)
+
+
 # --------------------------------------------------------------------------- distribution
 DIST_VOCAB, DIST_NEW, DIST_N = 5, 3, 6000
 # The DIST_N samples as DIST_GROUPS copies of the prompt x DIST_N / DIST_GROUPS samples:
@@ -348,6 +426,14 @@ def dist_model():
     return graphdef, state, phi
 
 
+@pytest.fixture(scope="module")
+def sharp_model():
+    """dist_model's shapes with larger embeddings: its next-token distributions depend
+    more on the context, so a tree node that sees a sibling gets a visibly different p."""
+    graphdef, state = random_params(DIST_CFG, seed=2, embed_std=2.0)
+    return graphdef, state, None
+
+
 def _exact_probs(graphdef, state, cfg):
     """p(sequence) of every 3-token completion under the dense policy (truncated)."""
     seqs = np.array(list(itertools.product(range(DIST_VOCAB), repeat=DIST_NEW)))
@@ -361,7 +447,7 @@ def _chi_square(graphdef, state, phi, draft, cfg, key=0):
     scfg = dataclasses_replace(cfg, samples_per_prompt=DIST_N // DIST_GROUPS)
     prompts = np.repeat(DIST_PROMPT, DIST_GROUPS, axis=0)
     history = None
-    if draft == "history":  # bank rows: fixed token sequences (deterministic drafts)
+    if draft in HISTORY_IDS:  # bank rows: fixed token sequences
         width = DIST_PROMPT.shape[1] + 5  # the rollout's buffer: 7 + 3 rounded up to pages
         rows = np.random.default_rng(9).integers(0, DIST_VOCAB, (1, 4, width))
         rows[:, :, : DIST_PROMPT.shape[1]] = DIST_PROMPT
@@ -378,7 +464,7 @@ def _chi_square(graphdef, state, phi, draft, cfg, key=0):
         np.full(DIST_GROUPS, DIST_PROMPT.shape[1]),
         jax.random.key(key),
         scfg,
-        SP.SpeculativeConfig(draft=draft, draft_tokens=2, ngram=2),
+        _speculative_cfg(draft, draft_tokens=2, ngram=2),
         spec,
         phi,
         history=history,
@@ -411,7 +497,7 @@ DIST_CASES = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("draft", ["sparse_self", "history", "draft_head"])
+@pytest.mark.parametrize("draft", ALL_DRAFTS)
 @pytest.mark.parametrize("case", list(DIST_CASES))
 def test_distribution_matches_dense_policy(dist_model, draft, case):
     stat, rate, impossible = _chi_square(*dist_model, draft, DIST_CASES[case])
@@ -420,11 +506,24 @@ def test_distribution_matches_dense_policy(dist_model, draft, case):
     assert stat < 1.0, stat  # the statistic over its p = 1e-4 critical value
 
 
+@pytest.mark.slow
+def test_tree_distribution_on_a_sharp_model(sharp_model):
+    """The model the non-ancestor planted bug is caught on: the tree itself passes there."""
+    stat, rate, impossible = _chi_square(*sharp_model, "history_tree", DIST_CASES["t1"])
+    assert impossible == 0 and 0.05 < rate < 0.98 and stat < 1.0, (stat, rate)
+
+
 def _accept_keeping_rejected(logp, drafts, probs, num, key, greedy):
     """Planted bug: a deterministic draft's rejected token stays in the residual."""
     a, _, ok = _ACCEPT(logp, drafts, probs, num, key, greedy)
     nxt = jax.random.categorical(jax.random.fold_in(key, 1), logp[jnp.arange(a.shape[0]), a])
     return a, nxt.astype(jnp.int32), ok
+
+
+def _all_earlier_nodes(parent_BxT, levels):
+    """Planted bug: each tree node sees every node before it (siblings and cousins too)."""
+    t = parent_BxT.shape[1]
+    return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), parent_BxT.shape + (t,))
 
 
 def _accept_everything(logp, drafts, probs, num, key, greedy):
@@ -439,19 +538,29 @@ def _accept_everything(logp, drafts, probs, num, key, greedy):
     "bug,draft,case",
     [
         ("rejected_in_residual", "history", "t1"),
+        ("rejected_sibling_in_residual", "history_tree", "t1"),
+        ("non_ancestor_visible", "history_tree", "t1"),
+        ("q_untruncated", "history_counts", "trunc"),
         ("q_untruncated", "sparse_self", "trunc"),
         ("q_untruncated", "draft_head", "trunc"),
         ("accept_all", "sparse_self", "t1"),
     ],
 )
-def test_planted_bugs_fail_the_distribution_test(dist_model, monkeypatch, bug, draft, case):
+def test_planted_bugs_fail_the_distribution_test(
+    dist_model, sharp_model, monkeypatch, bug, draft, case
+):
     if bug == "rejected_in_residual":
         monkeypatch.setattr(SP.rejection, "accept", _accept_keeping_rejected)
+    elif bug == "rejected_sibling_in_residual":
+        monkeypatch.setattr(SP.rejection, "without", lambda p, token: p)
+    elif bug == "non_ancestor_visible":  # every earlier node visible, as in a chain
+        monkeypatch.setattr(SP, "tree_ancestors", _all_earlier_nodes)
     elif bug == "q_untruncated":
         monkeypatch.setattr(SP, "draft_probs", lambda lg, c: jax.nn.softmax(lg / c.temperature))
     else:
         monkeypatch.setattr(SP.rejection, "accept", _accept_everything)
-    stat, _, impossible = _chi_square(*dist_model, draft, DIST_CASES[case])
+    on = sharp_model if bug == "non_ancestor_visible" else dist_model
+    stat, _, impossible = _chi_square(*on, draft, DIST_CASES[case])
     assert stat > 1.0 or impossible > 0, stat
 
 

@@ -95,6 +95,23 @@ def write_extend(cache: dict, k_BxTxKxH, v_BxTxKxH, pos_BxT) -> dict:
     return new
 
 
+def move_path(cache: dict, start_B, path_BxT, length_B) -> dict:
+    """After a tree verify (`dense.Tree`): the keys and values of the accepted path's nodes
+    (path_BxT[b, j]: the node at depth j, written at slot start_B + path) moved to their
+    positions start_B + j, for j < length_B. The other slots from start_B on hold rejected
+    nodes, which nothing reads (the next extend overwrites them before attending); page
+    summaries are left to `refresh_summaries`."""
+    b, t = path_BxT.shape
+    rows = jnp.arange(b)[:, None]
+    j_T = jnp.arange(t)[None]
+    dest_BxT = jnp.where(j_T < length_B[:, None], start_B[:, None] + j_T, cache["k"].shape[2])
+    new = dict(cache)
+    for name in ("k", "v"):
+        x_BxTxKxH = cache[name][rows, :, start_B[:, None] + path_BxT]
+        new[name] = cache[name].at[rows, :, dest_BxT].set(x_BxTxKxH, mode="drop")
+    return new
+
+
 def refresh_summaries(
     cache: dict, first_pos_B, num_pos: int, length_B, layer: LayerInfo, spec: AttentionSpec
 ) -> dict:

@@ -8,6 +8,8 @@ also the padding mask.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -158,13 +160,42 @@ def decode_attention(q_BxNxH, k_BxKxSxH, v_BxKxSxH, pos_B, layer: LayerInfo):
     return out.reshape(b, n, h)
 
 
-def extend_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, pos_BxT, layer: LayerInfo):
+class Tree(NamedTuple):
+    """A token tree verified in one extend from slot start_B: node t's keys and values sit
+    at slot start_B + t, its position (RoPE, window) is start_B + depth[t], and it sees the
+    cache before start_B and the nodes u with ancestor[t, u] (itself included). A chain
+    is depth = arange(T), ancestor = lower triangle."""
+
+    depth: jax.Array  # int32 [B, T]
+    ancestor: jax.Array  # bool [B, T, T]
+
+
+def tree_visible(pos_BxT, start_B, tree: Tree, s: int, window: int | None):
+    """[B, S, T]: whether cache slot s is visible to tree node t (slots before start_B by
+    position, the tree's slots by ancestry; the window on positions either way)."""
+    t = pos_BxT.shape[1]
+    slot_S = jnp.arange(s)
+    rel_BxS = slot_S[None] - start_B[:, None]
+    in_tree_BxS = (rel_BxS >= 0) & (rel_BxS < t)
+    rel_BxS = jnp.clip(rel_BxS, 0, t - 1)
+    anc_BxSxT = jnp.take_along_axis(tree.ancestor.transpose(0, 2, 1), rel_BxS[..., None], 1)
+    depth_BxS = jnp.take_along_axis(tree.depth, rel_BxS, 1)
+    key_pos_BxS = jnp.where(in_tree_BxS, start_B[:, None] + depth_BxS, slot_S[None])
+    before_BxS = slot_S[None] < start_B[:, None]
+    ok_BxSxT = jnp.where(in_tree_BxS[..., None], anc_BxSxT, before_BxS[..., None])
+    return ok_BxSxT & visible_mask(pos_BxT[:, None, :], key_pos_BxS[..., None], window)
+
+
+def extend_attention(
+    q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, pos_BxT, layer: LayerInfo, tree: Tree | None = None
+):
     """T consecutive queries per row against the (already written) cache: the query at
     pos_BxT[b, t] attends to cache entries <= its position (and inside the window of a
     sliding-window layer). The multi-token step a speculative verify runs; with T = 1 it
     is decode_attention over the whole buffer (equal up to float rounding). The T queries
     join the GQA group axis, so the logits keep decode_attention's key-major layout
-    ([B, K, S, T * G]; 1.7x faster on XLA:CPU than [B, K, T, G, S] at T = 5)."""
+    ([B, K, S, T * G]; 1.7x faster on XLA:CPU than [B, K, T, G, S] at T = 5).
+    tree: the T queries are a token tree's nodes from slot pos_BxT[:, 0] on (`Tree`)."""
     b, t, n, h = q_BxTxNxH.shape
     kv, s = k_BxKxSxH.shape[1], k_BxKxSxH.shape[2]
     g = n // kv
@@ -173,7 +204,10 @@ def extend_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, pos_BxT, layer: LayerInfo)
         "bksh,bkgh->bksg", k_BxKxSxH, q_BxKxTGxH * layer.scale, preferred_element_type=jnp.float32
     )
     logits = softcap(logits, layer.softcap)
-    ok_BxSxT = visible_mask(pos_BxT[:, None, :], jnp.arange(s)[None, :, None], layer.window)
+    if tree is None:
+        ok_BxSxT = visible_mask(pos_BxT[:, None, :], jnp.arange(s)[None, :, None], layer.window)
+    else:
+        ok_BxSxT = tree_visible(pos_BxT, pos_BxT[:, 0], tree, s, layer.window)
     ok = jnp.repeat(ok_BxSxT, g, axis=2)[:, None]  # [B, 1, S, T * G]
     logits = jnp.where(ok, logits.astype(jnp.float32), MASK_VALUE)
     probs = jax.nn.softmax(logits, axis=2).astype(v_BxKxSxH.dtype)

@@ -208,6 +208,11 @@ def defaults() -> ml_collections.ConfigDict:
     c.rl.history_ngram = 4  # history: the longest suffix matched
     c.rl.history_prompts = 1024  # history: prompts the bank holds (least recently used evicted)
     c.rl.history_per_prompt = 8  # history: newest rollouts kept per prompt
+    # history: latest (the tokens after the latest longest match, deterministic) | counts
+    # (a chain drawn from the continuations' counts, accepted with min(1, p/q)) | tree (the
+    # likeliest continuations as a token tree, verified in one forward); docs/speculative.md
+    c.rl.history_draft = "latest"
+    c.rl.tree_width = 2  # history_draft=tree: nodes per depth (draft_tokens * tree_width)
     # draft=draft_head: the learned draft head (model/draft_head.py), trained online after
     # each theta update on the step's rollouts (train/draft_head.py), with its own Adam and
     # its own gradient-norm clip group.

@@ -22,6 +22,7 @@ from dsparse_jax.model.transformer import LINEAR_NAMES
 from dsparse_jax.rl import modes, objectives
 from dsparse_jax.rl.losses import AGG_MODES
 from dsparse_jax.rl.modes import DRAFTS, MODES
+from dsparse_jax.sampling.speculative import HISTORY_DRAFTS
 
 
 class ConfigError(UserError, ValueError):
@@ -425,6 +426,12 @@ def _validate_modes(c) -> None:
         for f in ("rl.draft_tokens", "rl.history_ngram", "rl.history_prompts"):
             _positive_int(c, f)
         _positive_int(c, "rl.history_per_prompt")
+        _check(
+            r.history_draft in HISTORY_DRAFTS,
+            "rl.history_draft",
+            f"must be one of {tuple(HISTORY_DRAFTS)}",
+        )
+        _positive_int(c, "rl.tree_width")
         if r.draft == "draft_head":
             _validate_draft_head(c)
     _check(r.selection in ("reward", "acceptance"), "rl.selection", "must be reward or acceptance")

@@ -167,7 +167,8 @@ def attend_draft(
     )
 
 
-def attend_extend(q_BxTxNxH, cache: dict, pos_BxT, layer: LayerInfo):
-    """T consecutive queries per row over the (already written) cache, dense (the
-    speculative verifier; no kernel dispatch yet: the XLA path on every backend)."""
-    return dense.extend_attention(q_BxTxNxH, cache["k"], cache["v"], pos_BxT, layer)
+def attend_extend(q_BxTxNxH, cache: dict, pos_BxT, layer: LayerInfo, tree=None):
+    """T consecutive queries per row (or a token tree's nodes, `dense.Tree`) over the
+    (already written) cache, dense (the speculative verifier; no kernel dispatch yet: the
+    XLA path on every backend)."""
+    return dense.extend_attention(q_BxTxNxH, cache["k"], cache["v"], pos_BxT, layer, tree)

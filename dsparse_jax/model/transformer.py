@@ -193,13 +193,15 @@ class Attention(nnx.Module):
         pages=None,
         lora=None,
         lora_scale=1.0,
+        tree=None,
     ):
         """Returns (out_BxTxD, new_cache, page_ids_or_None)."""
         b, t, _ = x_BxTxD.shape
         if mode == "decode":
             pos_BxT = pos_B[:, None]
-        elif mode == "extend":  # t tokens per row from position pos_B on
-            pos_BxT = pos_B[:, None] + jnp.arange(t)[None]
+        elif mode == "extend":  # t tokens per row from slot pos_B on
+            slot_BxT = pos_B[:, None] + jnp.arange(t)[None]
+            pos_BxT = slot_BxT if tree is None else pos_B[:, None] + tree.depth
         else:
             pos_BxT = jnp.broadcast_to(jnp.arange(t), (b, t))
         q, k, v = self._qkv(x_BxTxD, pos_BxT, lora, lora_scale)
@@ -209,8 +211,8 @@ class Attention(nnx.Module):
             o, page_ids = attention.attend_decode(q[:, 0], cache, pos_B, self.info, spec)
             o = o[:, None]
         elif mode == "extend":  # always dense: the speculative verifier
-            cache = kv_cache.write_extend(cache, k, v, pos_BxT)
-            o = attention.attend_extend(q, cache, pos_BxT, self.info)
+            cache = kv_cache.write_extend(cache, k, v, slot_BxT)
+            o = attention.attend_extend(q, cache, pos_BxT, self.info, tree)
         else:
             if mode == "prefill":
                 cache = kv_cache.write_prefill(cache, k, v, lengths_B, self.info, spec)
@@ -486,12 +488,16 @@ class Transformer(nnx.Module):
         lora=None,
         lora_scale: float = 1.0,
         hidden_at: tuple[int, ...] | None = None,
+        tree=None,
     ):
         """T tokens per row at positions start_B, start_B + 1, ... (a speculative verify):
         writes their keys and values into the cache (page summaries untouched: see
         kv_cache.refresh_summaries) and attends densely over it. Returns (logits [B, T, V],
         caches[, the outputs [B, T, D] of the layers in hidden_at]); T = 1 is a dense
-        decode step."""
+        decode step. tree (`dense.Tree`): the T tokens are a token tree's nodes instead,
+        written at slots start_B + t, each at position start_B + depth and attending to
+        its ancestors only (a tree verify; `kv_cache.move_path` then puts the accepted
+        path's keys and values at their positions)."""
         out = self._run(
             self.embed_tokens(tokens_BxT),
             "extend",
@@ -501,6 +507,7 @@ class Transformer(nnx.Module):
             lora_scale,
             pos_B=start_B,
             hidden_at=hidden_at,
+            tree=tree,
         )
         return (self._logits(out[0]), out[1]) + ((out[3],) if hidden_at is not None else ())
 

@@ -68,3 +68,72 @@ def accept(logp_BxTxV, drafts_BxK, draft_probs_BxKxV, num_drafts_B, key, greedy:
     residual_BxV = jnp.where(use_residual[:, None], residual_BxV, p_BxV)
     next_B = jax.random.categorical(key_r, jnp.log(residual_BxV), axis=-1)
     return accepted_B, next_B.astype(jnp.int32), ok_BxK
+
+
+def without(p_BxV, token_B):
+    """p with token_B's mass removed (the residual after a deterministic draft of token_B is
+    rejected; unnormalised)."""
+    return jnp.where(jax.nn.one_hot(token_B, p_BxV.shape[-1], dtype=bool), 0.0, p_BxV)
+
+
+def accept_tree(logp_BxTxV, tokens_BxT, parent_BxT, valid_BxT, width: int, key, greedy: bool):
+    """Walks a token tree of deterministic drafts; returns (accepted_B: the accepted path's
+    length in drafts, path_BxD: its node at each depth 0..D-1 (0: the root), next_B: the
+    replacement or bonus token, reached_BxD / ok_BxD: per depth 1..D-1, whether a sibling
+    was tested and whether one was accepted).
+
+    The tree (`speculative` tree drafts): node 0 is the root (the row's last token), then
+    D - 1 levels of `width` nodes each (node 1 + (d - 1) * width + i: depth d), with
+    parent_BxT their parent's node index and valid_BxT whether the node exists; siblings in
+    node order. logp_BxTxV: the verifier's log-probs after each node (-inf outside the
+    truncation).
+
+    The rule (recursive rejection over siblings, SpecInfer / Jeon et al. 2024 with point-mass
+    drafts): at the current node with target r = p, each child x in turn is accepted with
+    probability r(x) / sum(r); a rejected child's token leaves r (r <- r without x); the
+    first accepted child becomes the current node (r <- its p); when none is accepted the
+    next token is drawn from r. Every emitted token is an exact sample of p: by induction
+    over the children, the token leaves the node with probability p(x) (docs/speculative.md).
+    Greedy: a child is accepted iff it is p's argmax; the next token is r's argmax.
+    """
+    b, t, _ = logp_BxTxV.shape
+    depth = (t - 1) // width + 1
+    rows = jnp.arange(b)
+    node_B = jnp.zeros((b,), jnp.int32)
+    r_BxV = jnp.exp(logp_BxTxV[:, 0])
+    stopped_B = jnp.zeros((b,), bool)
+    path, reached, oks = [node_B], [], []
+    keys = jax.random.split(key, (depth - 1) * width + 1)
+    for d in range(1, depth):
+        moved_B = jnp.zeros((b,), bool)
+        tried_B = jnp.zeros((b,), bool)
+        for i in range(width):
+            n = 1 + (d - 1) * width + i
+            x_B = tokens_BxT[:, n]
+            is_child = valid_BxT[:, n] & (parent_BxT[:, n] == node_B) & ~stopped_B & ~moved_B
+            if greedy:
+                ok_B = x_B == jnp.argmax(logp_BxTxV[rows, node_B], axis=-1)
+            else:
+                u_B = jax.random.uniform(keys[(d - 1) * width + i], (b,))
+                ok_B = u_B * r_BxV.sum(-1) < r_BxV[rows, x_B]
+            take_B = is_child & ok_B
+            r_BxV = jnp.where((is_child & ~ok_B)[:, None], without(r_BxV, x_B), r_BxV)
+            tried_B |= is_child
+            moved_B |= take_B
+            node_B = jnp.where(take_B, n, node_B)
+        r_BxV = jnp.where(moved_B[:, None], jnp.exp(logp_BxTxV[rows, node_B]), r_BxV)
+        stopped_B |= ~moved_B
+        path.append(node_B)
+        reached.append(tried_B)
+        oks.append(moved_B)
+    path_BxD = jnp.stack(path, axis=1)
+    accepted_B = jnp.sum(jnp.stack(oks, axis=1).astype(jnp.int32), axis=1)
+    if greedy:
+        next_B = jnp.argmax(logp_BxTxV[rows, node_B], axis=-1)
+    else:
+        # A rejection of every child leaves sum(r) > 0 but for float round-off; then p.
+        r_BxV = jnp.where(
+            r_BxV.sum(-1, keepdims=True) > 0, r_BxV, jnp.exp(logp_BxTxV[rows, node_B])
+        )
+        next_B = jax.random.categorical(keys[-1], jnp.log(r_BxV), axis=-1)
+    return accepted_B, path_BxD, next_B.astype(jnp.int32), jnp.stack(reached, 1), jnp.stack(oks, 1)

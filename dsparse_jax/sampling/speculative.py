@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsparse_jax.attention import cache as kv_cache
+from dsparse_jax.attention import dense
 from dsparse_jax.attention.spec import AttentionSpec
 from dsparse_jax.model import draft_head, transformer
 from dsparse_jax.parallel import sharding
@@ -74,6 +75,8 @@ class SpeculativeConfig:
     draft: str = "sparse_self"  # a key of DRAFTERS
     draft_tokens: int = 4  # k: tokens drafted per verify
     ngram: int = 4  # history: the longest suffix matched
+    history_draft: str = "latest"  # history: a key of HISTORY_DRAFTS
+    tree_width: int = 2  # history tree: nodes per depth (draft_tokens * tree_width nodes)
     # sparse_self: one more draft step per iteration so that every decoded position has a
     # page record (Rollout.page_ids), and each position's draft-block start and each
     # accepted draft's log q (Rollout.draft_start / draft_logprobs): what the phi update's
@@ -87,6 +90,15 @@ class SpeculativeConfig:
             raise ValueError("rl.draft_tokens must be >= 1")
         if self.ngram < 1:
             raise ValueError("rl.history_ngram must be >= 1")
+        if self.history_draft not in HISTORY_DRAFTS:
+            raise ValueError(
+                f"rl.history_draft: must be one of {tuple(HISTORY_DRAFTS)}, "
+                f"got {self.history_draft!r}"
+            )
+        if self.history_draft != "latest" and self.draft != "history":
+            raise ValueError("rl.history_draft: applies to rl.draft=history only")
+        if self.tree_width < 1:
+            raise ValueError("rl.tree_width must be >= 1")
 
 
 class History(NamedTuple):
@@ -127,6 +139,10 @@ class DraftOut(NamedTuple):
     caches: list
     pages: dict  # {sparse layer: int32 [B, k', K, P]}: pages read at positions cur + j
     head: tuple | None = None  # draft_head: its cache after the draft steps
+    # A token tree instead of a chain (history tree): drafts are its nodes [B, N] (level
+    # by level, `tree_width` per level), tree = (parent node index [B, N] (0: the row's
+    # last token), valid [B, N]); num: its depth.
+    tree: tuple | None = None
 
 
 def draft_probs(logits_BxV, cfg: SamplingConfig):
@@ -226,12 +242,10 @@ def _head_observe(ctx, head_state, hiddens, tokens_BxT, cur_B, n_new_B):
     return cache, feats[rows, jnp.maximum(n_new_B - 1, 0)]
 
 
-def _draft_history(ctx, x: DraftIn) -> DraftOut:
-    """The longest suffix match of each row's last `ngram` tokens among its group's rows
-    (itself included) and its prompt's bank rows; the tokens after the match are the
-    drafts. Ties go to the match with the most tokens after it, then the latest."""
-    sc, hist, n = ctx["speculative_cfg"], ctx["history"], ctx["cfg"].samples_per_prompt
-    k, m = sc.draft_tokens, sc.ngram
+def _history_sources(ctx, x: DraftIn):
+    """Every row's sources: its group's rows (itself included, their tokens so far) and its
+    prompt's bank rows. (tokens [B, R, S], known lengths [B, R])."""
+    hist, n = ctx["history"], ctx["cfg"].samples_per_prompt
     b, s = x.tokens.shape
     group = b // n
     src_BxRxS = jnp.repeat(x.tokens.reshape(group, n, s), n, axis=0)
@@ -239,6 +253,13 @@ def _draft_history(ctx, x: DraftIn) -> DraftOut:
     if hist is not None:
         src_BxRxS = jnp.concatenate([src_BxRxS, jnp.repeat(hist.tokens, n, axis=0)], axis=1)
         len_BxR = jnp.concatenate([len_BxR, jnp.repeat(hist.lengths, n, axis=0)], axis=1)
+    return src_BxRxS, len_BxR
+
+
+def _match_lengths(x: DraftIn, src_BxRxS, m: int):
+    """[B, R, S]: how many of each row's last m tokens (up to m) match the source tokens
+    ending at each position."""
+    b, s = x.tokens.shape
     rows = jnp.arange(b)
     query_BxM = x.tokens[rows[:, None], jnp.maximum(x.cur[:, None] - jnp.arange(m), 0)]
     pos = jnp.arange(s)
@@ -249,6 +270,23 @@ def _draft_history(ctx, x: DraftIn) -> DraftOut:
         ok = (shifted == query_BxM[:, None, i : i + 1]) & (pos >= i) & (x.cur[:, None, None] >= i)
         run = run * ok
         length = length + run
+    return length
+
+
+def _draft_history(ctx, x: DraftIn) -> DraftOut:
+    """The history drafter, in its mode (`HISTORY_DRAFTS`, rl.history_draft)."""
+    return HISTORY_DRAFTS[ctx["speculative_cfg"].history_draft].draft(ctx, x)
+
+
+def _history_latest(ctx, x: DraftIn) -> DraftOut:
+    """The longest suffix match of each row's last `ngram` tokens among its sources; the
+    tokens after the match are the drafts (deterministic). Ties go to the match with the
+    most tokens after it, then the latest."""
+    k, m = ctx["speculative_cfg"].draft_tokens, ctx["speculative_cfg"].ngram
+    b, s = x.tokens.shape
+    src_BxRxS, len_BxR = _history_sources(ctx, x)
+    length = _match_lengths(x, src_BxRxS, m)
+    rows, pos = jnp.arange(b), jnp.arange(s)
     cont = jnp.clip(len_BxR[..., None] - 1 - pos, 0, k)  # tokens after the match, <= k
     # The longest match; among those, the most tokens to propose; then the latest.
     score = jnp.where((cont > 0) & (length > 0), (length * (k + 1) + cont) * (s + 1) + pos, -1)
@@ -259,6 +297,129 @@ def _draft_history(ctx, x: DraftIn) -> DraftOut:
     drafts = src_BxRxS[rows[:, None], r[:, None], take]
     num = jnp.where(found, cont.reshape(b, -1)[rows, best], 0)
     return DraftOut(drafts.astype(jnp.int32), None, num.astype(jnp.int32), x.caches, {})
+
+
+def _continuations(ctx, x: DraftIn):
+    """The continuations seen after each row's context, with their counts (SRT's per-prompt
+    tree, implicit in the sources): every source position whose match with the row's last
+    tokens is the longest found (>= 1 token) and which has tokens after it. Returns
+    (tokens [B, C, k]: the k tokens after each (C = R * S positions), avail [B, C]: how many
+    of them exist, weight [B, C]: 1 for a continuation, 0 otherwise)."""
+    k, m = ctx["speculative_cfg"].draft_tokens, ctx["speculative_cfg"].ngram
+    b, s = x.tokens.shape
+    src_BxRxS, len_BxR = _history_sources(ctx, x)
+    length = _match_lengths(x, src_BxRxS, m)
+    avail = jnp.clip(len_BxR[..., None] - 1 - jnp.arange(s), 0, k)
+    length = jnp.where(avail > 0, length, 0)
+    longest_B = jnp.max(length, axis=(1, 2))
+    weight = ((length == longest_B[:, None, None]) & (length > 0)).astype(jnp.float32)
+    after = [
+        jnp.pad(src_BxRxS[..., j + 1 :], ((0, 0), (0, 0), (0, j + 1)), constant_values=0)
+        for j in range(k)
+    ]
+    tokens_BxCxK = jnp.stack(after, axis=-1).reshape(b, -1, k)
+    return tokens_BxCxK, avail.reshape(b, -1), weight.reshape(b, -1)
+
+
+def _count_levels(ctx, x: DraftIn, width: int, sample: bool):
+    """Descends the continuation tree level by level, keeping `width` nodes per level:
+    sample (width 1): a child drawn from q, the counts of the continuations through the
+    drafts so far (truncated like p: top-k, top-p on the counts); otherwise the `width`
+    children with the largest counts (most likely first). Returns (tokens [B, k, width],
+    parent slot in the level above [B, k, width], valid [B, k, width], q [B, k, V] or None)."""
+    cfg, k = ctx["cfg"], ctx["speculative_cfg"].draft_tokens
+    cont_BxCxK, avail_BxC, w_BxC = _continuations(ctx, x)
+    b, v = x.tokens.shape[0], ctx["model"].cfg.vocab_size
+    rows = jnp.arange(b)[:, None]
+    node_BxC = jnp.where(w_BxC > 0, 0, -1)  # the node each continuation follows (-1: none)
+    keys = jax.random.split(x.key, k)
+    counts_cfg = cfg if cfg.temperature == 0.0 else dataclasses.replace(cfg, temperature=1.0)
+    toks, parents, valids, qs = [], [], [], []
+    prev = 1
+    for j in range(k):
+        tok_BxC = cont_BxCxK[:, :, j]
+        live_BxC = (node_BxC >= 0) & (avail_BxC > j)
+        counts_BxPxV = jnp.zeros((b, prev, v), jnp.float32)
+        counts_BxPxV = counts_BxPxV.at[rows, jnp.maximum(node_BxC, 0), tok_BxC].add(
+            jnp.where(live_BxC, w_BxC, 0.0)
+        )
+        if sample:
+            c_BxV = counts_BxPxV[:, 0]
+            valid_BxW = (c_BxV.sum(-1) > 0)[:, None]
+            # Counts as logits, truncated like p but not tempered: they are samples of the
+            # policy at the rollout's temperature already.
+            lg = jnp.where(c_BxV > 0, jnp.log(jnp.maximum(c_BxV, 1e-30)), -jnp.inf)
+            lg = jnp.where(valid_BxW, lg, 0.0)
+            tok_B, q = _draw(lg, keys[j], counts_cfg)
+            tok_BxW = tok_B[:, None]
+            if q is not None:
+                qs.append(q)
+            parent_BxW = jnp.zeros_like(tok_BxW)
+        else:
+            vals, idx = jax.lax.top_k(counts_BxPxV.reshape(b, prev * v), width)
+            valid_BxW, parent_BxW, tok_BxW = vals > 0, idx // v, idx % v
+        tok_BxW = tok_BxW.astype(jnp.int32)
+        # Each continuation now follows the child it continues with, if one was kept.
+        hit_BxCxW = (
+            live_BxC[..., None]
+            & valid_BxW[:, None]
+            & (parent_BxW[:, None] == node_BxC[..., None])
+            & (tok_BxW[:, None] == tok_BxC[..., None])
+        )
+        node_BxC = jnp.where(hit_BxCxW.any(-1), jnp.argmax(hit_BxCxW, axis=-1), -1)
+        toks.append(tok_BxW)
+        parents.append(parent_BxW)
+        valids.append(valid_BxW)
+        prev = tok_BxW.shape[1]
+    q = jnp.stack(qs, axis=1) if qs else None
+    return jnp.stack(toks, 1), jnp.stack(parents, 1), jnp.stack(valids, 1), q
+
+
+def _history_counts(ctx, x: DraftIn) -> DraftOut:
+    """A chain drawn from the continuation counts: draft j ~ q_j, the frequencies of the
+    tokens that followed the context and drafts 1..j-1 in the sources (SRT's probabilistic
+    draft); accepted with min(1, p / q)."""
+    tok, _, valid, q = _count_levels(ctx, x, 1, sample=True)
+    num = jnp.sum(valid[..., 0].astype(jnp.int32), axis=1)
+    return DraftOut(tok[..., 0], q, num, x.caches, {})
+
+
+def _history_tree(ctx, x: DraftIn) -> DraftOut:
+    """A token tree: at every depth the `tree_width` continuations with the largest counts
+    (siblings most likely first), each a deterministic draft, verified in one forward
+    (`dense.Tree`) and accepted by `rejection.accept_tree`."""
+    width = ctx["speculative_cfg"].tree_width
+    tok, parent, valid, _ = _count_levels(ctx, x, width, sample=False)
+    b, k = tok.shape[:2]
+    # Node 1 + j * width + i: level j (depth j + 1); parents as node indices (0: root).
+    level_start = jnp.concatenate([jnp.zeros(1, jnp.int32), 1 + jnp.arange(k - 1) * width])
+    parent = parent + level_start[None, :, None]
+    tree = (parent.reshape(b, -1).astype(jnp.int32), valid.reshape(b, -1))
+    return DraftOut(tok.reshape(b, -1), None, jnp.sum(valid[..., 0], 1), x.caches, {}, tree=tree)
+
+
+def tree_ancestors(parent_BxT, levels: int):
+    """bool [B, T, T]: node u is an ancestor of node t, or t itself (parent_BxT[:, 0] = 0:
+    the root)."""
+    t = parent_BxT.shape[1]
+    eye = jnp.eye(t, dtype=bool)[None]
+    anc = jnp.broadcast_to(eye, parent_BxT.shape + (t,))
+    for _ in range(levels):
+        anc = eye | jnp.take_along_axis(anc, parent_BxT[..., None], axis=1)
+    return anc
+
+
+@dataclasses.dataclass(frozen=True)
+class HistoryDraft:
+    draft: Callable  # (ctx, DraftIn) -> DraftOut
+    description: str
+
+
+HISTORY_DRAFTS = {
+    "latest": HistoryDraft(_history_latest, "the tokens after the latest longest match"),
+    "counts": HistoryDraft(_history_counts, "a chain drawn from the continuation counts (q)"),
+    "tree": HistoryDraft(_history_tree, "the likeliest continuations as a tree, one verify"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,6 +446,77 @@ DRAFTERS = {
         learned_head=True,
     ),
 }
+
+
+# ------------------------------------------------------------------------------- verify
+class _VerifyCtx(NamedTuple):
+    model: object
+    spec: AttentionSpec  # the cache's
+    features: tuple | None  # policy layers the draft head reads (hidden outputs)
+    cfg: SamplingConfig
+    tree_width: int
+    width: int  # the buffer's positions
+
+
+class Verified(NamedTuple):
+    """One verify's outcome, along the accepted path (a chain: the drafts themselves)."""
+
+    logits: jax.Array  # f32 [B, k + 1, V]: the verifier's, after the last token and drafts
+    logp: jax.Array  # f32 [B, k + 1, V]: the distributions sampled from (-inf outside)
+    caches: list
+    accepted: jax.Array  # int32 [B]: drafts accepted
+    next: jax.Array  # int32 [B]: the replacement or bonus token
+    drafts: jax.Array  # int32 [B, k]: the path's drafts (valid below accepted + 1)
+    reached: jax.Array  # bool [B, k]: a draft at depth j + 1 was tested
+    ok: jax.Array  # bool [B, k]: one was accepted there
+    hidden: tuple | None  # the features' outputs [B, k + 1, D] (draft head)
+
+
+def _verify_logp(logits_BxTxV, cfg: SamplingConfig):
+    if cfg.temperature == 0.0:
+        return jax.nn.log_softmax(logits_BxTxV, -1)
+    return jax.vmap(lambda x: sampling_logprobs(x, cfg), in_axes=1, out_axes=1)(logits_BxTxV)
+
+
+def _verify_chain(vc: _VerifyCtx, out: DraftOut, x_cur_Bx1, cur_B, limit_B, key) -> Verified:
+    """One dense extend over [x_cur, d_1..d_k]; `rejection.accept`."""
+    k = out.drafts.shape[1]
+    num = jnp.clip(jnp.minimum(out.num, limit_B), 0, k)
+    verify_in = jnp.concatenate([x_cur_Bx1, out.drafts], axis=1)
+    ver = vc.model.extend(verify_in, cur_B, out.caches, vc.spec, hidden_at=vc.features)
+    logp = _verify_logp(ver[0], vc.cfg)
+    a, nxt, ok = rejection.accept(logp, out.drafts, out.probs, num, key, vc.cfg.temperature == 0)
+    offs = jnp.arange(k)[None]
+    reached = (offs < num[:, None]) & (offs <= a[:, None])
+    hidden = ver[2] if vc.features is not None else None
+    return Verified(ver[0], logp, ver[1], a, nxt, out.drafts, reached, ok, hidden)
+
+
+def _verify_tree(vc: _VerifyCtx, out: DraftOut, x_cur_Bx1, cur_B, limit_B, key) -> Verified:
+    """One dense extend over the tree [x_cur, nodes] (`dense.Tree`: each node at its depth,
+    seeing its ancestors); `rejection.accept_tree`; the accepted path's keys and values
+    moved to their positions (`kv_cache.move_path`)."""
+    parent, valid = out.tree
+    b, n = out.drafts.shape
+    width = vc.tree_width
+    depth_N = 1 + jnp.arange(n) // width
+    slot_ok = cur_B[:, None] + 1 + jnp.arange(n)[None] < vc.width  # dropped past the buffer
+    valid = valid & (depth_N[None] <= limit_B[:, None]) & slot_ok
+    tokens = jnp.concatenate([x_cur_Bx1, out.drafts], axis=1)
+    parent = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), parent], axis=1)
+    valid = jnp.concatenate([jnp.ones((b, 1), bool), valid], axis=1)
+    depth = jnp.broadcast_to(jnp.concatenate([jnp.zeros(1, jnp.int32), depth_N]), (b, n + 1))
+    tree = dense.Tree(depth, tree_ancestors(parent, n // width))
+    logits, caches = vc.model.extend(tokens, cur_B, out.caches, vc.spec, tree=tree)
+    logp = _verify_logp(logits, vc.cfg)
+    greedy = vc.cfg.temperature == 0
+    a, path, nxt, reached, ok = rejection.accept_tree(
+        logp, tokens, parent, valid, width, key, greedy
+    )
+    caches = [kv_cache.move_path(c, cur_B, path, a + 1) for c in caches]
+    rows = jnp.arange(b)[:, None]
+    drafts = tokens[rows, path[:, 1:]]
+    return Verified(logits[rows, path], logp[rows, path], caches, a, nxt, drafts, reached, ok, None)
 
 
 # ------------------------------------------------------------------------------- engine
@@ -412,7 +644,6 @@ class SpeculativeSampler:
             head_st = jax.tree.map(rep, head_st)
         b = b0 * n
         rows = jnp.arange(b)
-        greedy = cfg.temperature == 0.0
 
         tokens = jnp.full((b, s), cfg.pad_id, jnp.int32).at[:, :l].set(prompts_BxL)
         tokens = jnp.where(jnp.arange(s)[None] < prompt_len_B[:, None], tokens, cfg.pad_id)
@@ -445,6 +676,7 @@ class SpeculativeSampler:
             jnp.int32(0),
         )
         offs = jnp.arange(k + 1)[None]  # [1, k + 1]
+        vctx = _VerifyCtx(model, cache_spec, features, cfg, speculative_cfg.tree_width, s)
 
         def body(st):
             key, caches, tokens, logprobs, top, ncomp, done, page_ids, draft_rec, stats, head_st = (
@@ -453,19 +685,13 @@ class SpeculativeSampler:
             key, k_draft, k_acc = jax.random.split(key, 3)
             cur = prompt_len_B + ncomp - 1  # each row's last token
             out = drafter.draft(ctx, DraftIn(tokens, cur, cur + 1, caches, k_draft, head_st))
-            remaining = cfg.max_new_tokens - ncomp
-            num = jnp.where(done, 0, jnp.clip(jnp.minimum(out.num, remaining - 1), 0, k))
+            # Drafts a row may still emit: at most max_new_tokens - ncomp - 1.
+            limit = jnp.where(done, 0, cfg.max_new_tokens - ncomp - 1)
             x_cur = tokens[rows, cur][:, None]
-            verify_in = jnp.concatenate([x_cur, out.drafts], axis=1)
-            ver = model.extend(verify_in, cur, out.caches, cache_spec, hidden_at=features)
-            logits, caches = ver[:2]
-            logp = (
-                jax.nn.log_softmax(logits, -1)
-                if greedy
-                else jax.vmap(lambda x: sampling_logprobs(x, cfg), in_axes=1, out_axes=1)(logits)
-            )
-            a, nxt, ok = rejection.accept(logp, out.drafts, out.probs, num, k_acc, greedy)
-            drafts_pad = jnp.concatenate([out.drafts, out.drafts[:, :1]], axis=1)
+            verify = _verify_chain if out.tree is None else _verify_tree
+            ver = verify(vctx, out, x_cur, cur, limit, k_acc)
+            logits, logp, caches, a, nxt = ver.logits, ver.logp, ver.caches, ver.accepted, ver.next
+            drafts_pad = jnp.concatenate([ver.drafts, ver.drafts[:, :1]], axis=1)
             new = jnp.where(offs < a[:, None], drafts_pad, nxt[:, None])  # valid at j <= a
             is_eos = is_stop(new, cfg) & (offs <= a[:, None])
             n_new = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1) + 1, a + 1)
@@ -509,17 +735,16 @@ class SpeculativeSampler:
                     for i, c in enumerate(caches)
                 ]
             live_row = ~done
-            reached = (offs[:, :k] < num[:, None]) & (offs[:, :k] <= a[:, None])
             stats = SpeculativeStats(
                 stats.verify_calls + live_row,
                 stats.emitted + n_new,
-                stats.reached + reached.sum(0),
-                stats.accepted + (reached & ok).sum(0),
+                stats.reached + ver.reached.sum(0),
+                stats.accepted + (ver.reached & ver.ok).sum(0),
                 stats.iterations + 1,
             )
             if drafter.learned_head:  # tokens at cur..cur+k: x_cur, then the emitted ones
                 fed_tokens = jnp.concatenate([x_cur, new[:, :k]], axis=1)
-                head_st = _head_observe(ctx, out.head, ver[2], fed_tokens, cur, n_new)
+                head_st = _head_observe(ctx, out.head, ver.hidden, fed_tokens, cur, n_new)
             ncomp = ncomp + n_new
             done = done | is_eos.any(1) | (ncomp >= cfg.max_new_tokens)
             return (
