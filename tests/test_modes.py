@@ -211,21 +211,24 @@ def test_twin_every_skips_a_metrics_only_twin(ctx, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("draft", ["sparse_self", "history", "draft_head"])
+@pytest.mark.parametrize("draft", ["sparse_self", "history", "history_tree", "draft_head"])
 def test_speculative_mode_runs_two_steps(ctx, draft, monkeypatch, tmp_path):
     """rollout_mode=speculative: the rollout is the dense policy's (its log-probs equal the
     teacher-forced dense ones, so theta's first ratio is 1), acceptance metrics are
-    reported, phi trains with sparse_self, the history bank fills across steps and
-    round-trips through the checkpoint, the draft head trains after theta (its loss
+    reported, phi trains with sparse_self, the history bank (its latest-match and tree
+    drafts) fills across steps and round-trips through the checkpoint, the draft head trains after theta (its loss
     falls) and its warm start runs on SFT solutions, and a resume restores it and its
     optimizer bitwise."""
     from dsparse_jax.reliability import checkpoints
 
     monkeypatch.setattr(phases, "grade", fake_score)
+    history_draft = "tree" if draft == "history_tree" else "latest"
+    draft = "history" if draft == "history_tree" else draft
     run = _with(
         ctx,
         rl__rollout_mode="speculative",
         rl__draft=draft,
+        rl__history_draft=history_draft,
         rl__draft_tokens=3,
         rl__draft_head__unroll=3,  # trains the head on its own unroll
         rl__samples_generated=3,

@@ -89,6 +89,9 @@ CASES = [
     ("rl.overlong.buffer", -1, "must be an integer >= 0"),
     ("rl.overlong.buffer", 75, "must be <= the completion budget (74 tokens, task.num_terms)"),
     ("rl.overlong.penalty", -1.0, "must be finite and >= 0"),
+    # speculative drafters
+    ("rl.history_draft", "suffix", "must be one of ('latest', 'counts', 'tree')"),
+    ("rl.tree_width", 0, "must be a positive integer"),
 ]
 
 
@@ -135,6 +138,8 @@ CONFLICTS = [
     ),
     ({"rl.draft": "history"}, "rl.draft", "is read only with rl.rollout_mode=speculative"),
     ({"rl.draft": "draft_head", "rl.rollout_mode": "sparse"}, "rl.draft", "is read only"),
+    ({**SPEC, "rl.history_draft": "tree"}, "rl.history_draft", "and rl.draft=history"),
+    ({"rl.history_draft": "counts"}, "rl.history_draft", "is read only with"),
     (
         {"rl.policy_loss": "gspo", "rl.dual_clip": 3.0},
         "rl.dual_clip",
@@ -155,6 +160,7 @@ ALLOWED = [
     {"rl.rollout_mode": mode, **ACCEPTANCE} for mode in ("sparse", "sparse_train", "distillsparse")
 ] + [
     {**SPEC, "rl.draft": "history", **M2N},  # reward selection of exact rollouts
+    {**SPEC, "rl.draft": "history", "rl.history_draft": "tree", "rl.tree_width": 3},
     {**SPEC, "rl.is_correction": "tis"},  # a no-op on exact rollouts, harmless
     {"rl.rollout_mode": "dense", "rl.prune.enabled": True},
     {"rl.rollout_mode": "sparse", "rl.grow_buffer_from": 64},

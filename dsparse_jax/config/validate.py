@@ -421,17 +421,17 @@ def _validate_modes(c) -> None:
         f"must be 0 (automatic) or a multiple of the {m} samples per prompt that divides "
         f"the rollout's {r.prompts_per_step * m} rows, got {chunk}",
     )
+    _check(
+        r.history_draft in HISTORY_DRAFTS,
+        "rl.history_draft",
+        f"must be one of {tuple(HISTORY_DRAFTS)}",
+    )
+    _positive_int(c, "rl.tree_width")
     if r.rollout_mode == "speculative":
         _check(r.draft in DRAFTS, "rl.draft", f"must be one of {tuple(DRAFTS)}")
         for f in ("rl.draft_tokens", "rl.history_ngram", "rl.history_prompts"):
             _positive_int(c, f)
         _positive_int(c, "rl.history_per_prompt")
-        _check(
-            r.history_draft in HISTORY_DRAFTS,
-            "rl.history_draft",
-            f"must be one of {tuple(HISTORY_DRAFTS)}",
-        )
-        _positive_int(c, "rl.tree_width")
         if r.draft == "draft_head":
             _validate_draft_head(c)
     _check(r.selection in ("reward", "acceptance"), "rl.selection", "must be reward or acceptance")
@@ -613,6 +613,14 @@ CONFLICTS = (
         "rl.draft",
         lambda r, mode: r.draft != schema.defaults().rl.draft and not mode.speculative,
         "is read only with rl.rollout_mode=speculative (elsewhere leave it at its default)",
+    ),
+    (
+        "rl.history_draft",
+        lambda r, mode: (
+            r.history_draft != schema.defaults().rl.history_draft
+            and not (mode.speculative and r.draft == "history")
+        ),
+        "is read only with rl.rollout_mode=speculative and rl.draft=history",
     ),
 )
 

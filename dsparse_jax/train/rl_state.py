@@ -216,7 +216,7 @@ def drafting_from(ctx: RunContext, mode: modes.RolloutMode) -> Drafting | None:
         draft=c.draft,
         draft_tokens=c.draft_tokens,
         ngram=c.history_ngram,
-        history_draft=c.history_draft if c.draft == "history" else "latest",
+        history_draft=c.history_draft,
         tree_width=c.tree_width,
         record_pages=mode.updates_phi,  # the phi update's twin replays the draft's pages
     )
