@@ -149,3 +149,14 @@ def test_bench_kernels_chain_runs_dependent_calls_on_their_own_pages():
     assert jnp.allclose(got, want, rtol=0, atol=1e-7)
     dense = kernels.chained(lambda q, k, v, pos: q + k, 2)(q, q, None, None, None)
     assert jnp.allclose(dense, (q + 2e-3 * q) + 1e-3 * ((q + 2e-3 * q) + q))
+
+
+def test_bench_speculative_history_rows_parse_and_refuse():
+    from dsparse_jax.bench import speculative
+    from dsparse_jax.errors import UserError
+
+    assert speculative.history_row("latest:4") == ("latest", 4, 1)
+    assert speculative.history_row("tree:2x3") == ("tree", 2, 3)
+    for bad in ("tree", "suffix:4", "tree:0x2", "counts:four"):
+        with pytest.raises(UserError, match="--history"):
+            speculative.history_row(bad)

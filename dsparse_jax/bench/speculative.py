@@ -19,8 +19,9 @@ the same length, as RL trains it on the policy's rollouts.
 Part 2 (--workdir, a run of the long-chain task): theta of the run's SFT warm start (or
 newest RL checkpoint), prompts of its training set, the task's own completion budget with
 EOS (tokens/s counts the tokens generated). Rows: plain, sparse_self with phi = 0,
-history over two epochs of the same prompts (epoch 1: an empty bank, epoch 2: the bank
-holds epoch 1's rollouts), draft_head (trained on rollouts of other training prompts). With --phi_workdir (a DistillSparse run), also theta and phi
+history in each --history mode (rl.history_draft: latest, counts, tree; its depth k and
+tree width) over --epochs passes over the same prompts (epoch 1: an empty bank, then the
+bank holds the earlier epochs' rollouts; verified_tokens: tokens per verify), draft_head (trained on rollouts of other training prompts). With --phi_workdir (a DistillSparse run), also theta and phi
 of its newest RL checkpoint: plain and sparse_self with that phi against phi = 0 on the
 same theta (does distillation raise acceptance?).
 
@@ -54,6 +55,7 @@ from dsparse_jax.errors import UserError
 from dsparse_jax.sampling.history import HistoryBank, prompt_key
 from dsparse_jax.sampling.sampler import Sampler, SamplingConfig, buffer_length
 from dsparse_jax.sampling.speculative import (
+    HISTORY_DRAFTS,
     SpeculativeConfig,
     SpeculativeSampler,
     acceptance_summary,
@@ -88,10 +90,11 @@ def measure(
     lora_scale=1.0,
     history=None,
     head=None,
+    seed=0,
 ):
-    """One row: compile ahead of time, then time the calls. head: (graphdef, state) of the
-    learned draft head (draft_head)."""
-    key = jax.random.key(0)
+    """One row: compile ahead of time, then time the calls (key `seed`). head: (graphdef,
+    state) of the learned draft head (draft_head)."""
+    key = jax.random.key(seed)
     prompts, lengths = jnp.asarray(prompts, jnp.int32), jnp.asarray(lengths, jnp.int32)
     if speculative_cfg is None:
         sampler, kw = Sampler(graphdef), dict(cfg=scfg, spec=spec.dense())
@@ -306,20 +309,26 @@ def part_trained(args, spec):
     rows.append(
         measure("sparse_self (phi=0)", *common, SpeculativeConfig("sparse_self", args.k), spec)[0]
     )
-    bank = HistoryBank(p, args.history_per_prompt, buffer_length(width, gen, spec.page_size))
-    slots = bank.slots([prompt_key(x[:n]) for x, n in zip(prompts, lengths)])
-    hist_cfg = SpeculativeConfig("history", args.k, ngram=args.ngram)
     dense = spec.dense()
-    for epoch in (1, 2):
-        row, r = measure(
-            f"history (epoch {epoch})",
-            *common,
-            hist_cfg,
-            dense,
-            history=bank.rows(slots, bank.tokens.shape[2]),
+    for mode, k, tree_width in args.history:  # each from an empty bank, over the epochs
+        bank = HistoryBank(p, args.history_per_prompt, buffer_length(width, gen, spec.page_size))
+        slots = bank.slots([prompt_key(x[:n]) for x, n in zip(prompts, lengths)])
+        hist_cfg = SpeculativeConfig(
+            "history", k, ngram=args.ngram, history_draft=mode, tree_width=tree_width
         )
-        rows.append(row)
-        bank.add(slots, r.tokens, r.lengths, args.samples)
+        shape = f"k={k}" + (f" x {tree_width}" if mode == "tree" else "")
+        for epoch in range(1, args.epochs + 1):  # a fresh key per epoch: new samples
+            row, r = measure(
+                f"history {mode} {shape} (epoch {epoch})",
+                *common,
+                hist_cfg,
+                dense,
+                history=bank.rows(slots, bank.tokens.shape[2]),
+                seed=epoch,
+            )
+            row["verified_tokens"] = 1 + k * (tree_width if mode == "tree" else 1)
+            rows.append(row)
+            bank.add(slots, r.tokens, r.lengths, args.samples)
     out = {"workdir": args.workdir, "theta": base.source, "generated_tokens_max": gen}
     if "draft_head" in args.drafts:  # trained on rollouts of other training prompts
         hp, hl = batches.encode_prompts(
@@ -359,6 +368,19 @@ def part_trained(args, spec):
     return out
 
 
+def history_row(text: str) -> tuple[str, int, int]:
+    """--history's entries: latest:4, counts:4, tree:4x2 -> (mode, k, tree width)."""
+    try:
+        mode, shape = text.split(":")
+        k, _, w = shape.partition("x")
+        row = (mode, int(k), int(w or 1))
+    except ValueError:
+        raise UserError(f"--history: {text!r} is not mode:k or tree:kxwidth") from None
+    if mode not in HISTORY_DRAFTS or row[1] < 1 or row[2] < 1:
+        raise UserError(f"--history: {text!r}: mode one of {tuple(HISTORY_DRAFTS)}, k, width >= 1")
+    return row
+
+
 def main(argv: list[str]) -> int:
     ap = cli.ArgumentParser(
         prog="python -m dsparse_jax.bench.speculative",
@@ -380,6 +402,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--head_rows", type=int, default=8, help="draft_head: training rollouts")
     ap.add_argument("--head_steps", type=int, default=300, help="draft_head: Adam steps")
     ap.add_argument("--history_per_prompt", type=int, default=8)
+    ap.add_argument(
+        "--history",
+        default="latest:4,counts:4,tree:4x2,tree:2x2",
+        help="part 2: history drafts, mode:k or tree:kxwidth (rl.history_draft)",
+    )
+    ap.add_argument("--epochs", type=int, default=3, help="part 2: passes over the prompts")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--workdir", default="", help="part 2: a long-chain run (SFT or RL)")
     ap.add_argument("--phi_workdir", default="", help="part 2: a distillsparse run's phi")
@@ -391,6 +419,7 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     args.gen = [int(x) for x in args.gen.split(",") if int(x) > 0]
     args.drafts = args.drafts.split(",")
+    args.history = [history_row(x) for x in args.history.split(",") if x]
     if args.quick:
         args.gen, args.batch, args.samples, args.prompt_len = [64], 8, 2, 16
     spec = AttentionSpec(
