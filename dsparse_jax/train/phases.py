@@ -42,7 +42,7 @@ from dsparse_jax.rl import corrections, filtering, modes, objectives, pruning_me
 from dsparse_jax.rl.losses import combine_metrics
 from dsparse_jax.sampling.history import prompt_key
 from dsparse_jax.sampling.sampler import PruneRecord, Rollout, buffer_length
-from dsparse_jax.sampling.speculative import acceptance_summary
+from dsparse_jax.sampling.speculative import History, acceptance_summary
 from dsparse_jax.train import distill, quality
 from dsparse_jax.train import draft_head as draft_head_train
 from dsparse_jax.train.context import RunContext
@@ -344,12 +344,13 @@ def rollout(
     batch_problems = ctx.task.problems(
         "train", start + mine.start, mine.stop - mine.start, setup.seed
     )
-    prompts, lengths = batches.encode_prompts(ctx.tok, batch_problems, ctx.task.prompt_buffer())
+    local = batches.encode_prompts(ctx.tok, batch_problems, ctx.task.prompt_buffer())
+    prompts, lengths = local
     if plan is not None:  # one global batch-sharded array from every process's rows
         prompts, lengths = plan.global_batch(prompts), plan.global_batch(lengths)
     scfg = setup.sampling
     if setup.drafting is not None:
-        r, metrics = _speculative_rollout(ctx, setup, st, key, prompts, lengths, scfg)
+        r, metrics = _speculative_rollout(ctx, setup, st, key, prompts, lengths, scfg, local)
         return Generated(batch_problems, r), metrics
     if setup.pruning is not None:  # M' rows per prompt, pruned to n (+ label rows) on the way
         scfg = dataclasses.replace(scfg, samples_per_prompt=setup.pruning.generated)
@@ -380,16 +381,22 @@ def rollout(
     return Generated(batch_problems, r), {}
 
 
-def _speculative_rollout(ctx, setup: RLSetup, st: TrainState, key, prompts, lengths, scfg):
+def _speculative_rollout(
+    ctx, setup: RLSetup, st: TrainState, key, prompts, lengths, scfg, local: tuple
+):
     """rollout_mode=speculative: an exact rollout of the dense policy from verified drafts
-    (rl.draft); the history drafter reads and then extends the bank of earlier rollouts."""
-    d, bank, history, slots = setup.drafting, st.history, None, None
+    (rl.draft); the history drafter reads and then extends the bank of earlier rollouts.
+    local: this process's (prompts, lengths), numpy. With a mesh each process's bank holds
+    the prompts it made: their rows join one global batch-sharded array like the prompts,
+    and each process adds its own rows of the rollout."""
+    d, bank, history, slots, plan = setup.drafting, st.history, None, None, setup.plan
     if bank is not None:
-        prompts_np, lengths_np = np.asarray(prompts), np.asarray(lengths)
-        slots = bank.slots([prompt_key(p[:n]) for p, n in zip(prompts_np, lengths_np)])
-        history = bank.rows(
-            slots, buffer_length(prompts_np.shape[1], scfg.max_new_tokens, ctx.spec.page_size)
-        )
+        local_prompts, local_lengths = local
+        slots = bank.slots([prompt_key(p[:n]) for p, n in zip(local_prompts, local_lengths)])
+        width = buffer_length(local_prompts.shape[1], scfg.max_new_tokens, ctx.spec.page_size)
+        history = bank.rows(slots, width)
+        if plan is not None:
+            history = History(*(plan.global_batch(np.asarray(x)) for x in history))
     head = None
     if d.head is not None:
         head = (d.head.graphdef, st.draft_head.params)
@@ -407,7 +414,10 @@ def _speculative_rollout(ctx, setup: RLSetup, st: TrainState, key, prompts, leng
         head=head,
     )
     if bank is not None:
-        bank.add(slots, r.tokens, r.lengths, scfg.samples_per_prompt)
+        rows = (
+            (r.tokens, r.lengths) if plan is None else map(plan.local_rows, (r.tokens, r.lengths))
+        )
+        bank.add(slots, *rows, scfg.samples_per_prompt)
     k = d.config.draft_tokens
     metrics = jax.device_get(acceptance_summary(stats, k))
     return r, {name: float(v) for name, v in metrics.items()}
