@@ -24,6 +24,12 @@ WINDOWS = ((1, 5), (6, 15), (16, 35), (36, 65), (66, 100))  # inclusive RL steps
 STALE = 0.8  # the last window below this fraction of the step-10 window: stale
 
 
+def drafter_name(rl: dict) -> str:
+    """rl.draft, with the history drafter's mode where it is not the default (latest)."""
+    draft, mode = rl.get("draft", "?"), rl.get("history_draft", "latest")
+    return f"{draft} {mode}" if draft == "history" and mode != "latest" else draft
+
+
 def read(workdir: str) -> tuple[list[dict], list[dict], dict]:
     """(rl records, eval records, config) of a run."""
     rl, ev, config = read_metrics(workdir, "rl"), read_metrics(workdir, "eval"), {}
@@ -62,7 +68,7 @@ def summarize(workdir: str) -> dict:
     ratio = rows[-1]["spec_accept_length"] / ref["spec_accept_length"]
     return {
         "workdir": workdir,
-        "draft": config.get("rl", {}).get("draft", "?"),
+        "draft": drafter_name(config.get("rl", {})),
         "draft_tokens": k,
         "steps": last,
         "windows": rows,
