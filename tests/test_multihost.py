@@ -74,23 +74,19 @@ def _ctx(ts):
     return fn()
 
 
-@pytest.mark.slow
-def test_two_processes_one_rl_step(tmp_path):
+def run_two_processes(script: str, tmp_path, timeout: int) -> list:
+    """Runs `python script PID PORT OUT` for PID 0 and 1 (4 CPU devices each, one free
+    coordinator port) and returns the JSON each wrote to its OUT."""
     port = _free_port()
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
         XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
     )
+    paths = [tmp_path / f"p{pid}.json" for pid in range(2)]
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                os.path.abspath(__file__),
-                str(pid),
-                str(port),
-                str(tmp_path / f"p{pid}.json"),
-            ],
+            [sys.executable, os.path.abspath(script), str(pid), str(port), str(paths[pid])],
             env=env,
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -102,14 +98,19 @@ def test_two_processes_one_rl_step(tmp_path):
     outs = []
     for p in procs:
         try:
-            outs.append(p.communicate(timeout=420)[0])
+            outs.append(p.communicate(timeout=timeout)[0])
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            pytest.fail("multi-process RL step timed out")
+            pytest.fail(f"{os.path.basename(script)}: the two processes timed out")
     for p, o in zip(procs, outs):
         assert p.returncode == 0, o[-4000:]
-    got = [json.load(open(tmp_path / f"p{pid}.json")) for pid in range(2)]
+    return [json.load(open(path)) for path in paths]
+
+
+@pytest.mark.slow
+def test_two_processes_one_rl_step(tmp_path):
+    got = run_two_processes(__file__, tmp_path, timeout=420)
     assert [g["process"] for g in got] == [0, 1]
     assert got[0]["any_global"]  # the state really spans both processes
     # Both processes saw the same global step.

@@ -7,12 +7,11 @@ device, and log-probs within 1e-4 (the partitioner reorders f32 reductions)."""
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
-from test_multihost import ROOT, _ctx, _free_port
+from test_multihost import ROOT, _ctx, run_two_processes
 
 DRAFTS = [
     ("sparse_self", "latest"),
@@ -85,40 +84,7 @@ def worker(pid: int, port: int, path: str) -> None:
 
 @pytest.mark.slow
 def test_two_process_speculative_rollouts_equal_one_process(tmp_path):
-    port = _free_port()
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
-    )
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                os.path.abspath(__file__),
-                str(pid),
-                str(port),
-                str(tmp_path / f"{pid}"),
-            ],
-            env=env,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for pid in range(2)
-    ]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=600)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("multi-process speculative rollouts timed out")
-    for p, o in zip(procs, outs):
-        assert p.returncode == 0, o[-4000:]
-    got = [json.load(open(tmp_path / f"{pid}")) for pid in range(2)]
+    got = run_two_processes(__file__, tmp_path, timeout=600)
     want = rollouts((1, 1, 1))
     for name, ref in want.items():
         for g in got:

@@ -94,7 +94,7 @@ def accept_tree(logp_BxTxV, tokens_BxT, parent_BxT, valid_BxT, width: int, key, 
     first accepted child becomes the current node (r <- its p); when none is accepted the
     next token is drawn from r. Every emitted token is an exact sample of p: by induction
     over the children, the token leaves the node with probability p(x) (docs/speculative.md).
-    Greedy: a child is accepted iff it is p's argmax; the next token is r's argmax.
+    Greedy: a child is accepted iff it is p's argmax; the next token is p's argmax.
     """
     b, t, _ = logp_BxTxV.shape
     depth = (t - 1) // width + 1
