@@ -46,6 +46,10 @@ _TABLE = {
         _variant("distillsparse", "tis"),
         "DistillSparse + TIS on theta's off-policy update",
     ),
+    "distillsparse_tis_recomputed": (
+        {**_variant("distillsparse", "tis"), "distill.teacher": "recomputed"},
+        "DistillSparse + TIS, distilled to theta after its update",
+    ),
     "speculative": (
         {**_variant("speculative"), "rl.draft": "sparse_self"},
         "speculative: exact dense rollouts drafted by the sparse + phi actor (phi distilled "
