@@ -99,5 +99,19 @@ def test_two_process_speculative_rollouts_equal_one_process(tmp_path):
         assert second > first, (mode, first, second)
 
 
+def test_the_bank_is_checkpointed_by_one_process_only(monkeypatch):
+    """Each process's bank holds its own prompts: with several processes it stays out of
+    the checkpoint (a resume rebuilds it) rather than every process restoring process 0's."""
+    import jax
+
+    from dsparse_jax.sampling.history import HistoryBank
+    from dsparse_jax.train import trainables
+
+    st = trainables.TrainState(theta=None, history=HistoryBank(2, 2, 8))
+    assert "history" in trainables.to_tree(st)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert "history" not in trainables.to_tree(st)
+
+
 if __name__ == "__main__":
     worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

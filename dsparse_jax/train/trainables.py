@@ -153,14 +153,17 @@ def init_state(ctx: RunContext, setup: RLSetup, params) -> TrainState:
 
 
 def to_tree(st: TrainState) -> dict:
-    """The checkpoint tree of `st`: every entry under its keys, and the bank."""
+    """The checkpoint tree of `st`: every entry under its keys, and the bank. With several
+    processes each holds its own bank (the prompts it makes), which a checkpoint of
+    replicated host arrays cannot keep apart: it is left out, and a resumed run rebuilds
+    it from its next rollouts (the drafts only change speed, never the samples)."""
     tree = {}
     for e in TRAINABLES:
         t = getattr(st, e.name)
         if t is not None:
             tree[e.params_key] = SAVED_AS[e.saved_as][0](t.params)
             tree[e.opt_key] = jax.tree.leaves(t.opt_state)
-    if st.history is not None:
+    if st.history is not None and jax.process_count() == 1:
         tree["history"] = st.history.state()
     return tree
 
