@@ -24,17 +24,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker(pid: int, port: int, out: str, mesh: tuple) -> None:
-    """One process: initialise jax.distributed, run one RL step, write metrics and a
-    digest of the updated parameters (sums of every leaf) as JSON."""
+def join_two_processes(pid: int, port: int) -> None:
+    """In a worker process: the checkout and tests/ on the path, then process `pid` of 2
+    joins jax.distributed at 127.0.0.1:`port` (8 devices in all)."""
     sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
     import jax
-    import jax.numpy as jnp
     import ml_collections
-    import test_sharding as ts
 
     from dsparse_jax.parallel import distributed
-    from dsparse_jax.train import phases
 
     dist = ml_collections.ConfigDict(
         {
@@ -48,6 +45,18 @@ def worker(pid: int, port: int, out: str, mesh: tuple) -> None:
     )
     assert distributed.initialize(dist)
     assert jax.process_count() == 2 and jax.device_count() == 8
+
+
+def worker(pid: int, port: int, out: str, mesh: tuple) -> None:
+    """One process: initialise jax.distributed, run one RL step, write metrics and a
+    digest of the updated parameters (sums of every leaf) as JSON."""
+    join_two_processes(pid, port)
+    import jax
+    import jax.numpy as jnp
+    import test_sharding as ts
+
+    from dsparse_jax.train import phases
+
     phases.grade = ts.fake_score
     ctx = ts._ctx(_ctx(ts), mesh)
     setup, st, m = ts._one_step(ctx)

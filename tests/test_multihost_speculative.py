@@ -6,12 +6,11 @@ each process's bank holds the prompts it made) give the same tokens as one proce
 device, and log-probs within 1e-4 (the partitioner reorders f32 reductions)."""
 
 import json
-import os
 import sys
 
 import numpy as np
 import pytest
-from test_multihost import ROOT, _ctx, run_two_processes
+from test_multihost import _ctx, join_two_processes, run_two_processes
 
 DRAFTS = [
     ("sparse_self", "latest"),
@@ -59,24 +58,9 @@ def rollouts(mesh) -> dict:
 
 
 def worker(pid: int, port: int, path: str) -> None:
-    sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+    join_two_processes(pid, port)
     import jax
-    import ml_collections
 
-    from dsparse_jax.parallel import distributed
-
-    dist = ml_collections.ConfigDict(
-        {
-            "mesh": {
-                "distributed": "on",
-                "coordinator_address": f"127.0.0.1:{port}",
-                "num_processes": 2,
-                "process_id": pid,
-            }
-        }
-    )
-    assert distributed.initialize(dist)
-    assert jax.process_count() == 2 and jax.device_count() == 8
     with open(path, "w") as f:
         json.dump(rollouts((2, 2, 2)), f)
     jax.distributed.shutdown()
