@@ -192,3 +192,81 @@ def test_bootstrap_interval_over_seeds_and_problems():
     rs = [{"greedy_correct": list(row)} for row in apart]
     assert res.interval_cell(rs, "greedy_correct").startswith(" [")
     assert res.interval_cell(rs + [{"greedy_correct": None}], "greedy_correct") == ""
+
+
+def _fake_run(expdir, name, rl, ev, attempts=(), bin_width=16):
+    """A run directory as harness/experiment.py leaves it: metrics, config, run record."""
+    wd = os.path.join(expdir, name)
+    os.makedirs(wd)
+    with open(os.path.join(wd, "metrics.jsonl"), "w") as f:
+        for r in rl:
+            f.write(json.dumps({"phase": "rl", **r}) + "\n")
+        for r in ev:
+            f.write(json.dumps({"phase": "eval", **r}) + "\n")
+    with open(os.path.join(wd, "config.json"), "w") as f:
+        json.dump({"rl": {"num_steps": len(rl)}, "metrics": {"position_bin": bin_width}}, f)
+    with open(os.path.join(wd, "experiment_run.json"), "w") as f:
+        json.dump({"attempts": [{"wall_s": w} for w in attempts]}, f)
+
+
+def test_report_tables_over_experiments_seeds_phases_and_windows(tmp_path):
+    """Several experiment directories read as one; per-phase medians over steps >= 2;
+    accuracy by step as mean ± standard error over seeds; the mismatch by thirds of
+    training and by position range; a killed run's wall time bounded by what it logged;
+    a warm start copied between experiments counted once."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    for d in (a, b):
+        os.makedirs(os.path.join(d, "sft_base"))
+        with open(os.path.join(d, "sft_base", "summary.json"), "w") as f:
+            json.dump({"wall_time_s": 600.0}, f)  # the same warm start, copied
+
+    def rl_records(seed):
+        out = []
+        for step in range(1, 7):  # thirds: steps 1-2, 3-4, 5-6; step 1 compiles
+            kl = 0.1 * ((step + 1) // 2)  # 0.1, 0.2, 0.3 by third
+            out.append(
+                {
+                    "step": step,
+                    "time_rollout": {1: 100.0, 5: 9.0, 6: 9.0}.get(step, 2.0 + seed),
+                    "time_update_theta": 3.0,
+                    "time_step": 5.0 + seed,
+                    "kl_exact": kl,
+                    "kl_exact_bin0": kl / 10,
+                    "kl_exact_bin3": kl,
+                    "tokens_bin0": 5,
+                    "tokens_bin3": 5,
+                    "alpha_p5_bin0": 1.0,
+                    "alpha_p5_bin3": 0.5,
+                }
+            )
+        return out
+
+    ev = lambda acc: [  # noqa: E731
+        {"step": 0, "greedy_accuracy": 0.5, "sparse_greedy_accuracy": 0.25, "time": 10.0},
+        {"step": 6, "greedy_accuracy": acc, "sparse_greedy_accuracy": acc, "time": 10.0},
+    ]
+    _fake_run(a, "sparse_s0", rl_records(0), ev(0.2), attempts=[1000.0])
+    _fake_run(b, "sparse_s1", rl_records(1), ev(0.6))  # killed: no attempt recorded
+
+    runs = res.find_runs(f"{a},{b}")
+    assert [r["name"] for r in runs] == ["a/sparse_s0", "b/sparse_s1"]
+    assert runs[0]["phase_s"] == {"rollout": 2.0, "update_theta": 3.0}
+    assert runs[1]["wall_s"] == 6 * 6.0 + 2 * 10.0  # its steps and evaluations
+    assert [w["steps"] for w in runs[0]["mismatch_windows"]] == [(1, 2), (3, 4), (5, 6)]
+    assert [w["kl_exact"] for w in runs[0]["mismatch_windows"]] == pytest.approx([0.1, 0.2, 0.3])
+
+    curve = res.curve_table(runs)
+    se = np.std([0.2, 0.6], ddof=1) / np.sqrt(2)
+    assert curve[-1].startswith("| `sparse` | 0,1 |")
+    assert curve[-1].split("|")[4].strip() == f"0.400 ± {se:.3f} / 0.400 ± {se:.3f}"
+    phases = res.phase_table(runs)
+    assert phases[0].split("|")[3:5] == [" rollout ", " update_theta "]
+    assert phases[-1].split("|")[3].strip() == "2.50 ± 0.50"
+    mismatch = res.mismatch_table(runs)
+    assert len(mismatch) == 2 + 3  # header, rule, three windows
+    cells = [c.strip() for c in mismatch[-1].split("|")]
+    assert cells[3] == "0.300 ± 0.000" and cells[4] == "0.030 ± 0.000"  # range 0: bin 0
+    assert cells[5] == cells[6] == "-"  # bins 1, 2: no tokens
+    assert cells[7] == "0.300 ± 0.000" and cells[11] == "0.500 ± 0.000"  # bin 3: KL, p5 α
+    line = res.cpu_time(runs, [a, b])
+    assert "over 2 runs" in line and "10m00s for 1 SFT warm start" in line

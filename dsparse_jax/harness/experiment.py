@@ -530,7 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip the actor's held-out greedy accuracy per budget",
     )
     rep = sub.add_parser("report", help="write docs/results.md and the figures")
-    rep.add_argument("--expdir", required=True)
+    rep.add_argument("--expdir", required=True, help="an experiment directory, or several: a,b")
     rep.add_argument("--out", default=os.path.join(ROOT, "docs", "results.md"))
     rep.add_argument("--fig_dir", default=None, help="default <dir of --out>/results")
     return p

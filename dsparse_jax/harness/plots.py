@@ -205,36 +205,39 @@ def plot_bins(workdirs: list[str], out_dir: str, labels: list[str] | None = None
     return [kl, alpha]
 
 
-def _mean_std_by_step(runs: list[dict], phase: str, key: str):
+def _mean_se_by_step(runs: list[dict], phase: str, key: str):
+    """Steps, the mean over runs at each, and its standard error (0 with one run)."""
     by_step = {}
     for run in runs:
         for x, y in zip(*_series(run[phase], key)):
             by_step.setdefault(x, []).append(y)
     steps = sorted(by_step)
     means = [sum(by_step[s]) / len(by_step[s]) for s in steps]
-    stds = []
+    ses = []
     for s, m in zip(steps, means):
         v = by_step[s]
-        stds.append(math.sqrt(sum((y - m) ** 2 for y in v) / (len(v) - 1)) if len(v) > 1 else 0.0)
-    return steps, means, stds
+        var = sum((y - m) ** 2 for y in v) / (len(v) - 1) if len(v) > 1 else 0.0
+        ses.append(math.sqrt(var / len(v)))
+    return steps, means, ses
 
 
 def plot_seed_spread(
     groups: dict[str, list[str]],
     path: str,
     panels=(
-        ("eval", "greedy_accuracy", "held-out greedy accuracy"),
+        ("eval", "greedy_accuracy", "held-out greedy accuracy, dense policy"),
+        ("eval", "sparse_greedy_accuracy", "held-out greedy accuracy, actor"),
         ("rl", "reward", "rollout reward"),
         ("rl", "kl_exact", "KL(sparse || dense) per token"),
     ),
 ) -> str:
     """One line per group (label -> the workdirs of its seeds): the mean over seeds per
-    step with a +- 1 sample-std band. Returns the path written."""
+    step with a +- 1 standard error band. Returns the path written."""
     loaded = {label: [load_run(w) for w in wds] for label, wds in groups.items()}
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.6), squeeze=False)
     for ax, (phase, key, title) in zip(axes[0], panels):
         for gi, (label, runs) in enumerate(loaded.items()):
-            x, m, s = _mean_std_by_step(runs, phase, key)
+            x, m, s = _mean_se_by_step(runs, phase, key)
             if not x:
                 continue
             color = f"C{gi % 10}"

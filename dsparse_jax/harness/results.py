@@ -83,7 +83,8 @@ def bin_values(records: list[dict], name: str) -> dict[int, float]:
             if not (m and m.group(1) == name and _finite(v)):
                 continue
             i = int(m.group(2))
-            if r.get(f"tokens_bin{i}", 1) <= 0:
+            tokens = "all_tokens" if name.startswith("all_") else "tokens"
+            if r.get(f"{tokens}_bin{i}", 1) <= 0:
                 continue
             sums[i] = sums.get(i, 0.0) + v
             counts[i] = counts.get(i, 0) + 1
@@ -116,6 +117,9 @@ def summarize_run(workdir: str) -> dict | None:
     wall = sum(w for w in walls if _finite(w)) if any(_finite(w) for w in walls) else None
     if wall is None:
         wall = (_read_json(os.path.join(workdir, "summary.json")) or {}).get("wall_time_s")
+    # A killed attempt records no wall time: the steps and evaluations it logged bound it.
+    logged = sum(r.get("time_step", 0) for r in rl) + sum(r.get("time", 0) for r in ev)
+    wall = max(wall or 0.0, logged) or None
     out = {
         "name": name,
         "workdir": workdir,
@@ -154,21 +158,72 @@ def summarize_run(workdir: str) -> dict | None:
         "time_step": _median(r.get("time_step") for r in timed),
         "time_rollout": _median(r.get("time_rollout") for r in timed),
         "wall_s": wall,
+        "phase_s": phase_medians(rl),
+        "accept_length_first": _mean(r.get("spec_accept_length") for r in rl[:1]),
+        "accept_length_final": _mean(r.get("spec_accept_length") for r in fin),
+        "eval_curve": [
+            (r["step"], r.get("greedy_accuracy"), r.get("sparse_greedy_accuracy")) for r in ev
+        ],
+        "position_bin": cfg.get("metrics", {}).get("position_bin"),
+        "mismatch_windows": mismatch_windows(rl),
     }
     return out
 
 
-def find_runs(expdir: str) -> list[dict]:
+def phase_medians(rl: list[dict]) -> dict[str, float]:
+    """Phase name -> median over RL steps >= 2 (step 1 compiles) of its time_<phase>, for
+    every phase the run logged, in the order the step runs them."""
+    timed = [r for r in rl if r["step"] >= 2] or rl
+    names = dict.fromkeys(k for r in timed for k in r if k.startswith("time_") and k != "time_step")
+    return {k.removeprefix("time_"): _median(r.get(k) for r in timed) for k in names}
+
+
+def mismatch_windows(rl: list[dict], parts: int = 3) -> list[dict]:
+    """The mismatch over training: the RL steps cut into `parts` consecutive windows, each
+    with its steps, the mean exact KL over all rows (`all_kl_exact`, = `kl_exact` where
+    every generated row is kept) and the per-bin means of the exact KL and p5 α."""
+    out = []
+    for i in range(parts):
+        part = rl[len(rl) * i // parts : len(rl) * (i + 1) // parts]
+        if not part:
+            continue
+        prefix = "all_" if any("all_kl_exact" in r for r in part) else ""
+        out.append(
+            {
+                "steps": (part[0]["step"], part[-1]["step"]),
+                "kl_exact": _mean(r.get(prefix + "kl_exact") for r in part),
+                "kl_bins": bin_values(part, prefix + "kl_exact"),
+                "alpha_p5_bins": bin_values(part, prefix + "alpha_p5"),
+            }
+        )
+    return out
+
+
+def split_expdirs(expdir: str | list[str]) -> list[str]:
+    """`a,b` or a list -> the experiment directories, in order."""
+    dirs = expdir.split(",") if isinstance(expdir, str) else list(expdir)
+    return [d for d in dirs if d]
+
+
+def find_runs(expdir: str | list[str]) -> list[dict]:
+    """Every run with RL records under the experiment directories (`a,b`: several, each
+    run named <expdir's name>/<run> then)."""
+    dirs = split_expdirs(expdir)
     runs = []
-    for name in sorted(os.listdir(expdir)):
-        wd = os.path.join(expdir, name)
-        if name == "sft_base" or not os.path.isdir(wd):
-            continue
-        if not os.path.exists(os.path.join(wd, "metrics.jsonl")):
-            continue
-        s = summarize_run(wd)
-        if s is not None:
-            runs.append(s)
+    for d in dirs:
+        if not os.path.isdir(d):
+            raise UserError(f"--expdir: {d} is not a directory")
+        for name in sorted(os.listdir(d)):
+            wd = os.path.join(d, name)
+            if name == "sft_base" or not os.path.isdir(wd):
+                continue
+            if not os.path.exists(os.path.join(wd, "metrics.jsonl")):
+                continue
+            s = summarize_run(wd)
+            if s is not None:
+                if len(dirs) > 1:
+                    s["name"] = f"{os.path.basename(os.path.normpath(d))}/{s['name']}"
+                runs.append(s)
     rank = {v: i for i, v in enumerate(ORDER)}
     runs.sort(
         key=lambda r: (
@@ -182,13 +237,14 @@ def find_runs(expdir: str) -> list[dict]:
 
 # ----------------------------------------------------------------------------- aggregate
 def agg(vals):
-    """(mean, sample std or None, n) over the finite values."""
+    """(mean, standard error of the mean (sample std / sqrt(n)) or None, n) over the
+    finite values."""
     vals = [v for v in vals if _finite(v)]
     if not vals:
         return None, None, 0
     m = sum(vals) / len(vals)
-    s = statistics.stdev(vals) if len(vals) > 1 else None
-    return m, s, len(vals)
+    se = statistics.stdev(vals) / math.sqrt(len(vals)) if len(vals) > 1 else None
+    return m, se, len(vals)
 
 
 def bootstrap_interval(outcomes_SxP, reps: int = 2000, level: float = 0.95, seed: int = 0):
@@ -242,9 +298,14 @@ def group(runs: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
+def mean_se(vals, digits=3) -> str:
+    """'mean ± standard error' of the finite values ('-' if none)."""
+    m, se, _ = agg(vals)
+    return fmt(m, digits, se)
+
+
 def cell(rs: list[dict], key: str, digits=3) -> str:
-    m, s, n = agg(r[key] for r in rs)
-    return fmt(m, digits, s)
+    return mean_se((r[key] for r in rs), digits)
 
 
 def main_table(runs: list[dict]) -> list[str]:
@@ -304,6 +365,132 @@ def run_table(runs: list[dict]) -> list[str]:
             f"| {fmt_time(r['wall_s'])} |"
         )
     return lines
+
+
+def curve_table(runs: list[dict]) -> list[str]:
+    """Held-out greedy accuracy at every evaluated step, dense policy / actor, mean ±
+    standard error over the seeds evaluated at that step (their number when it is not
+    every seed's)."""
+    groups = group(runs)
+    steps = sorted({s for r in runs for s, _, _ in r["eval_curve"]})
+    if not steps:
+        return []
+    lines = [
+        "| method | seeds | " + " | ".join(f"step {s}" for s in steps) + " |",
+        "| --- | --- |" + " --- |" * len(steps),
+    ]
+    for v, rs in groups.items():
+        cells = []
+        for s in steps:
+            parts = []
+            for i in (1, 2):
+                vals = [c[i] for r in rs for c in r["eval_curve"] if c[0] == s]
+                n = agg(vals)[2]
+                if n:
+                    parts.append(mean_se(vals) + (f" (n={n})" if n != len(rs) else ""))
+            cells.append(" / ".join(parts) if parts else "-")
+        seeds = ",".join(str(r["seed"]) for r in rs)
+        lines.append(f"| `{v}` | {seeds} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def phase_table(runs: list[dict]) -> list[str]:
+    """Seconds per RL step by phase (each run's median over steps >= 2, then mean ±
+    standard error over seeds), with the rollout's tokens/s and the speculative
+    acceptance length (first step -> the last 10% of steps) where a run has one."""
+    groups = group(runs)
+    phases = list(dict.fromkeys(p for r in runs for p in r["phase_s"]))
+    if not phases:
+        return []
+    lines = [
+        "| method | seeds | "
+        + " | ".join(phases)
+        + " | step | rollout tok/s | acceptance length first → final |",
+        "| --- | --- |" + " --- |" * (len(phases) + 3),
+    ]
+    for v, rs in groups.items():
+        cells = [mean_se((r["phase_s"].get(p) for r in rs), 2) for p in phases]
+        final = cell(rs, "accept_length_final", 2)
+        accept = "-" if final == "-" else f"{cell(rs, 'accept_length_first', 2)} → {final}"
+        lines.append(
+            f"| `{v}` | {','.join(str(r['seed']) for r in rs)} | "
+            + " | ".join(cells)
+            + f" | {cell(rs, 'time_step', 2)} | {cell(rs, 'rollout_tokens_per_s', 0)} | {accept} |"
+        )
+    return lines
+
+
+def position_ranges(runs: list[dict], num: int = 4) -> list[tuple[int, int]]:
+    """The completion-position bins of every run cut into `num` equal ranges (first and
+    last bin of each)."""
+    last = max((i for r in runs for w in r["mismatch_windows"] for i in w["kl_bins"]), default=-1)
+    if last < 0:
+        return []
+    num = min(num, last + 1)
+    return [((last + 1) * i // num, (last + 1) * (i + 1) // num - 1) for i in range(num)]
+
+
+def mismatch_table(runs: list[dict]) -> list[str]:
+    """Exact KL(actor ‖ dense) and p5 α over training (thirds of the RL steps) and over
+    the completion (position ranges): per run's window the mean over its steps and over
+    the bins of a range, then mean ± standard error over seeds."""
+    ranges = position_ranges(runs)
+    sized = [r for r in runs if r["mismatch_windows"] and r["position_bin"]]
+    if not ranges or not sized:
+        return []
+    width = sized[0]["position_bin"]
+    heads = [f"tokens {a * width}-{(b + 1) * width - 1}" for a, b in ranges]
+    lines = [
+        "| method | steps | KL all positions | "
+        + " | ".join(f"KL {h}" for h in heads)
+        + " | "
+        + " | ".join(f"p5 α {h}" for h in heads)
+        + " |",
+        "| --- | --- | --- |" + " --- |" * (2 * len(ranges)),
+    ]
+
+    def in_range(bins, a, b):
+        return _mean(v for i, v in bins.items() if a <= i <= b)
+
+    for v, rs in group(sized).items():
+        for i in range(max(len(r["mismatch_windows"]) for r in rs)):
+            ws = [r["mismatch_windows"][i] for r in rs if len(r["mismatch_windows"]) > i]
+            if all(w["kl_exact"] is None for w in ws):
+                continue
+            span = f"{min(w['steps'][0] for w in ws)}-{max(w['steps'][1] for w in ws)}"
+            kl = [mean_se(in_range(w["kl_bins"], a, b) for w in ws) for a, b in ranges]
+            al = [mean_se(in_range(w["alpha_p5_bins"], a, b) for w in ws) for a, b in ranges]
+            lines.append(
+                f"| `{v}` (n={len(ws)}) | {span} | {mean_se(w['kl_exact'] for w in ws)} | "
+                + " | ".join(kl + al)
+                + " |"
+            )
+    return lines
+
+
+def sft_wall(expdir: str) -> float | None:
+    """The wall time of the experiment's SFT warm start (its attempts, else its summary)."""
+    meta = _read_json(os.path.join(expdir, "sft_base", "experiment_sft.json")) or {}
+    wall = sum(a.get("wall_s") or 0 for a in meta.get("attempts", []))
+    return wall or (_read_json(os.path.join(expdir, "sft_base", "summary.json")) or {}).get(
+        "wall_time_s"
+    )
+
+
+def cpu_time(runs: list[dict], expdirs: list[str]) -> str:
+    """One line: the wall time of every run and of the SFT warm starts, summed (a warm
+    start copied from one experiment to another counted once)."""
+    walls = [r["wall_s"] for r in runs if _finite(r["wall_s"])]
+    starts = {}
+    for d in expdirs:
+        key = json.dumps(_read_json(os.path.join(d, "sft_base", "summary.json")), sort_keys=True)
+        starts.setdefault(key, sft_wall(d) or 0.0)
+    return (
+        f"Wall time of these runs: {fmt_time(sum(walls))} over {len(walls)} runs, "
+        f"+ {fmt_time(sum(starts.values()))} for {len(starts)} SFT warm start(s). Every "
+        "attempt of every run summed, evaluations and checkpoints included; an attempt "
+        "that was killed counts by the steps and evaluations it logged (a lower bound)."
+    )
 
 
 def claim_numbers(runs: list[dict]) -> list[str]:
@@ -479,7 +666,7 @@ def make_figures(runs: list[dict], fig_dir: str, sweep: dict | None) -> list[str
     if pair:  # the bins figures: naive sparse vs DistillSparse only, early vs late
         plots.plot_bins(pair, fig_dir)
     groups = group(runs)
-    main = {v: [r["workdir"] for r in groups[v]] for v in MAIN if v in groups}
+    main = {v: [r["workdir"] for r in rs] for v, rs in groups.items() if v in MAIN or len(rs) > 1}
     if main:
         written.append(plots.plot_seed_spread(main, os.path.join(fig_dir, "main_seeds.png")))
     bars = {}
@@ -511,17 +698,16 @@ def preserved_conclusions(path: str) -> str:
 
 
 def render(
-    expdir: str,
+    expdirs: list[str],
     runs: list[dict],
     fig_rel: str,
     figures: list[str],
     sweep_md: str | None,
     conclusions: str,
 ) -> str:
+    expdir = expdirs[0]  # the settings and the warm start are read from the first
     exp = _read_json(os.path.join(expdir, "experiment.json")) or {}
     sft = _read_json(os.path.join(expdir, "sft_base", "summary.json")) or {}
-    sft_meta = _read_json(os.path.join(expdir, "sft_base", "experiment_sft.json")) or {}
-    sft_wall = sum(a.get("wall_s") or 0 for a in sft_meta.get("attempts", []))
     over = exp.get("common_overrides", {})
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
@@ -531,7 +717,8 @@ def render(
         "(dsparse_jax/harness/results.py). Edit only "
         "the Conclusions block: everything else is rewritten. -->",
         "",
-        f"Experiment `{expdir}`, report written {now}. "
+        f"Experiment{'s' if len(expdirs) > 1 else ''} "
+        f"{', '.join(f'`{d}`' for d in expdirs)}, report written {now}. "
         f"Config `{os.path.relpath(exp['config'], ROOT) if exp.get('config') else '?'}`"
         + (" with `--quick`" if exp.get("quick") else "")
         + (
@@ -541,14 +728,14 @@ def render(
         )
         + ".",
         f"Shared SFT warm start (`sft_base`): held-out greedy accuracy "
-        f"{fmt(sft.get('sft_greedy_accuracy'))}, {fmt_time(sft_wall or sft.get('wall_time_s'))}. "
+        f"{fmt(sft.get('sft_greedy_accuracy'))}, {fmt_time(sft_wall(expdir))}. "
         "Command and variants: docs/experiments.md.",
         "",
         "## Table 1 (this scale)",
         "",
         *main_table(runs),
         "",
-        "Mean ± sample standard deviation over the seeds listed (no ± with one seed); "
+        "Mean ± standard error over the seeds listed (no ± with one seed); "
         "[lo, hi]: 95% bootstrap interval of the final accuracy over seeds x held-out "
         "problems (runs that logged per-problem outcomes). "
         "Accuracies: the last held-out evaluation of the dense policy (greedy, and mean@k "
@@ -560,6 +747,31 @@ def render(
         "Tokens/s and s per step: medians over RL steps "
         ">= 2 (step 1 compiles). Wall time: the run's processes, all attempts (compile, "
         "evaluations and checkpoints included; the shared SFT warm start not).",
+        "",
+        cpu_time(runs, expdirs),
+        "",
+        "## Held-out greedy accuracy over training",
+        "",
+        *curve_table(runs),
+        "",
+        "Dense policy / actor at each evaluation, mean ± standard error over the seeds "
+        "(n: the seeds evaluated at that step, where not all).",
+        "",
+        "## Seconds per RL step, by phase",
+        "",
+        *phase_table(runs),
+        "",
+        "Each run's median over RL steps >= 2, then mean ± standard error over seeds. "
+        "Times are wall-clock on the machine the runs shared (see the conclusions for "
+        "what else ran beside them).",
+        "",
+        "## Mismatch over training and over the completion",
+        "",
+        *mismatch_table(runs),
+        "",
+        "Exact KL(actor ‖ dense) per token over all generated rows, and the 5th percentile "
+        "of the acceptance α, by thirds of the RL steps and by completion-position ranges "
+        "(each the mean of its position bins), mean ± standard error over seeds.",
         "",
         "## Per run",
         "",
@@ -589,7 +801,8 @@ def render(
         "DistillSparse, first third (dashed) vs last third (solid) of training",
         "alpha_bins.png": "5th percentile and mean of acceptance α per position bin, naive "
         "sparse vs DistillSparse, early (dashed) vs late (solid)",
-        "main_seeds.png": "main comparison, mean ± std over seeds",
+        "main_seeds.png": "the main comparison and every variant with several seeds: mean "
+        "over seeds with a ± standard error band",
         "throughput.png": "rollout tokens/s and time per RL step",
         "sweep.png": "sparsity sweep: mismatch and actor quality vs budget",
     }
@@ -600,26 +813,31 @@ def render(
     return "\n".join(lines)
 
 
-def write_report(expdir: str, out: str | None = None, fig_dir: str | None = None) -> str:
+def write_report(
+    expdir: str | list[str], out: str | None = None, fig_dir: str | None = None
+) -> str:
+    """Write the report of the runs under `expdir` (`a,b`: several experiments; the
+    sweep and the settings shown come from the first)."""
     out = out or os.path.join(ROOT, "docs", "results.md")
     fig_dir = fig_dir or os.path.join(os.path.dirname(os.path.abspath(out)), "results")
-    runs = find_runs(expdir)
+    expdirs = split_expdirs(expdir)
+    runs = find_runs(expdirs)
     if not runs:
-        raise UserError(f"no runs with RL metrics under {expdir}")
-    sweep = _read_json(os.path.join(expdir, "sweep", "sweep.json"))
+        raise UserError(f"no runs with RL metrics under {','.join(expdirs)}")
+    sweep = _read_json(os.path.join(expdirs[0], "sweep", "sweep.json"))
     sweep_md = None
-    if os.path.exists(os.path.join(expdir, "sweep", "sweep.md")):
-        with open(os.path.join(expdir, "sweep", "sweep.md")) as f:
+    if os.path.exists(os.path.join(expdirs[0], "sweep", "sweep.md")):
+        with open(os.path.join(expdirs[0], "sweep", "sweep.md")) as f:
             sweep_md = f.read()
     figures = make_figures(runs, fig_dir, sweep)
     fig_rel = os.path.relpath(fig_dir, os.path.dirname(os.path.abspath(out)))
-    text = render(expdir, runs, fig_rel, figures, sweep_md, preserved_conclusions(out))
+    text = render(expdirs, runs, fig_rel, figures, sweep_md, preserved_conclusions(out))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     tmp = out + ".tmp"
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, out)
-    with open(os.path.join(expdir, "results_summary.json"), "w") as f:
+    with open(os.path.join(expdirs[0], "results_summary.json"), "w") as f:
         json.dump(runs, f, indent=2)
     print(f"[report] {len(runs)} runs -> {out}, figures in {fig_dir}", flush=True)
     return out
@@ -629,7 +847,7 @@ def main(argv: list[str]) -> int:
     p = cli.ArgumentParser(
         prog="python -m dsparse_jax.harness.results", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--expdir", required=True)
+    p.add_argument("--expdir", required=True, help="an experiment directory, or several: a,b")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "results.md"))
     p.add_argument("--fig_dir", default=None)
     a = p.parse_args(argv)

@@ -50,6 +50,16 @@ _TABLE = {
         {**_variant("distillsparse", "tis"), "distill.teacher": "recomputed"},
         "DistillSparse + TIS, distilled to theta after its update",
     ),
+    # phi's warm start and phi on a subset of rows (issue 39 items 2 and 5), on the
+    # corrected method.
+    "distillsparse_tis_warm": (
+        {**_variant("distillsparse", "tis"), "distill.warmup_steps": 10},
+        "DistillSparse + TIS, phi warm-started for 10 steps before RL (distill.warmup_steps)",
+    ),
+    "distillsparse_tis_rows2": (
+        {**_variant("distillsparse", "tis"), "distill.row_stride": 2},
+        "DistillSparse + TIS, phi trained on every second row (distill.row_stride=2)",
+    ),
     "speculative": (
         {**_variant("speculative"), "rl.draft": "sparse_self"},
         "speculative: exact dense rollouts drafted by the sparse + phi actor (phi distilled "
