@@ -697,6 +697,15 @@ def preserved_conclusions(path: str) -> str:
     return inner if inner.strip() else PLACEHOLDER
 
 
+def _config_name(path: str | None) -> str:
+    """The config's path from the checkout's root (<its folder>/<file> when the
+    experiment ran from another checkout)."""
+    if not path:
+        return "?"
+    rel = os.path.relpath(path, ROOT)
+    return os.path.join(*path.split(os.sep)[-2:]) if rel.startswith("..") else rel
+
+
 def render(
     expdirs: list[str],
     runs: list[dict],
@@ -719,7 +728,7 @@ def render(
         "",
         f"Experiment{'s' if len(expdirs) > 1 else ''} "
         f"{', '.join(f'`{d}`' for d in expdirs)}, report written {now}. "
-        f"Config `{os.path.relpath(exp['config'], ROOT) if exp.get('config') else '?'}`"
+        f"Config `{_config_name(exp.get('config'))}`"
         + (" with `--quick`" if exp.get("quick") else "")
         + (
             ", overrides for every run: " + ", ".join(f"`{k}={v}`" for k, v in over.items())
