@@ -12,7 +12,6 @@ the budget). Tiny preset, B = 32, f32, random weights and caches (as bench/rollo
 """
 
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -21,6 +20,7 @@ import numpy as np
 
 from dsparse_jax.bench import rollout as br
 from dsparse_jax.config import cli
+from dsparse_jax.reliability import files
 
 
 def parse_args(argv: list[str]):
@@ -107,11 +107,7 @@ def main(argv: list[str]) -> int:
         "wall_s": time.time() - t0,
         "rows": rows,
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    files.emit_json(result, args.out)
     return 0
 
 

@@ -50,6 +50,7 @@ import time
 import numpy as np
 
 from dsparse_jax.config import cli
+from dsparse_jax.reliability import files
 
 # HBM peak bandwidth in GB/s by jax device_kind substring (vendor figures).
 HBM_PEAK_GBS = {
@@ -248,7 +249,7 @@ def main(argv: list[str]) -> int:
         result["mode"] = "cpu_sanity_check"
         result["sanity"] = cpu_sanity_check()
         result["rows"] = []
-        emit(result, args.out)
+        files.emit_json(result, args.out)
         return 0 if result["sanity"]["ok"] else 1
 
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
@@ -315,19 +316,10 @@ def main(argv: list[str]) -> int:
             result["rows"].append(row)
             log(json.dumps(row))
             if args.out:  # partial results survive a stage killed at its time limit
-                with open(args.out, "w") as f:
-                    json.dump(dict(result, partial=True), f, indent=1)
+                files.write_json_atomic(args.out, dict(result, partial=True), indent=1)
         del q, k, v
-    emit(result, args.out)
+    files.emit_json(result, args.out)
     return 0
-
-
-def emit(result: dict, out: str):
-    text = json.dumps(result, indent=1)
-    print(text)
-    if out:
-        with open(out, "w") as f:
-            f.write(text + "\n")
 
 
 if __name__ == "__main__":

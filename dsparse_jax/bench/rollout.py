@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import subprocess
@@ -61,6 +60,7 @@ import time
 import numpy as np
 
 from dsparse_jax.config import cli
+from dsparse_jax.reliability import files
 
 REFERENCE = "dense@budget"  # the overhead's reference step, timed in every context's rounds
 
@@ -654,8 +654,9 @@ def main(argv: list[str]) -> int:
 
     def checkpoint(rows):  # partial results survive an interrupted run
         if args.out:
-            with open(args.out + ".partial", "w") as f:
-                json.dump({"meta": meta, "throughput": rows, "partial": True}, f, indent=1)
+            files.write_json_atomic(
+                args.out + ".partial", {"meta": meta, "throughput": rows, "partial": True}, indent=1
+            )
 
     throughput = (
         [] if args.skip_throughput else bench_throughput(model, args, configs, gen_lens, checkpoint)
@@ -672,13 +673,9 @@ def main(argv: list[str]) -> int:
         "twin": twin,
         **summarize(args, throughput, steps),
     }
-    text = json.dumps(result, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-        if os.path.exists(args.out + ".partial"):
-            os.remove(args.out + ".partial")
-    print(text)
+    files.emit_json(result, args.out)
+    if args.out and os.path.exists(args.out + ".partial"):
+        os.remove(args.out + ".partial")
     log(f"[bench] done in {meta['wall_s']:.0f} s")
     return 0
 

@@ -52,6 +52,7 @@ import numpy as np
 from dsparse_jax.attention.spec import AttentionSpec, SparseSpec
 from dsparse_jax.config import cli
 from dsparse_jax.errors import UserError
+from dsparse_jax.reliability import files
 from dsparse_jax.sampling.history import HistoryBank, prompt_key
 from dsparse_jax.sampling.sampler import Sampler, SamplingConfig, buffer_length
 from dsparse_jax.sampling.speculative import (
@@ -442,11 +443,7 @@ def main(argv: list[str]) -> int:
         result["random"] = part_random(args, spec)
     if args.workdir:
         result["trained"] = part_trained(args, spec)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    files.emit_json(result, args.out)
     return 0
 
 

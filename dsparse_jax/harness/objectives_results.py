@@ -15,7 +15,6 @@ with dynamic sampling the draws per step and the extra rollout tokens they cost.
 JSON to stdout (--out also writes it), a markdown table to stderr.
 """
 
-import json
 import os
 import sys
 
@@ -23,6 +22,7 @@ import numpy as np
 
 from dsparse_jax.config import cli
 from dsparse_jax.errors import UserError
+from dsparse_jax.reliability import files
 from dsparse_jax.report.metrics import read_metrics
 
 
@@ -109,12 +109,8 @@ def main(argv: list[str]) -> int:
         if not os.path.isfile(os.path.join(w, "metrics.jsonl")):
             raise UserError(f"--workdirs: {w} has no metrics.jsonl")
     runs = [summarize(w, marks) for w in args.workdirs]
-    text = json.dumps({"marks_s": marks, "runs": runs}, indent=1)
-    print(text)
+    files.emit_json({"marks_s": marks, "runs": runs}, args.out)
     print(markdown(runs, marks), file=sys.stderr)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
     return 0
 
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from dsparse_jax.config import cli
 from dsparse_jax.errors import UserError
+from dsparse_jax.reliability import files
 from dsparse_jax.report.metrics import read_metrics
 
 WINDOWS = ((1, 5), (6, 15), (16, 35), (36, 65), (66, 100))  # inclusive RL steps
@@ -109,11 +110,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     results = [summarize(w) for w in args.workdirs]
-    text = json.dumps(results, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    files.emit_json(results, args.out)
     print(table(results), file=sys.stderr)
     return 0
 
