@@ -42,6 +42,10 @@ _TABLE = {
         {**_variant("distillsparse"), "distill.teacher": "recomputed"},
         "DistillSparse distilled to theta after its update (distill.teacher=recomputed)",
     ),
+    "distillsparse_paper_lambda": (
+        {**_variant("distillsparse"), "distill.kl_coef": 1e-3},
+        "DistillSparse at the paper's lambda = 1e-3 (distill.kl_coef; the default is 1)",
+    ),
     "distillsparse_tis": (
         _variant("distillsparse", "tis"),
         "DistillSparse + TIS on theta's off-policy update",
