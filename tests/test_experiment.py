@@ -270,3 +270,9 @@ def test_report_tables_over_experiments_seeds_phases_and_windows(tmp_path):
     assert cells[7] == "0.300 ± 0.000" and cells[11] == "0.500 ± 0.000"  # bin 3: KL, p5 α
     line = res.cpu_time(runs, [a, b])
     assert "over 2 runs" in line and "10m00s for 1 SFT warm start" in line
+    # Neither run finished: both in the means. Once one has, the other (in progress)
+    # leaves the means and is counted as unfinished.
+    assert [len(rs) for rs in res.group(runs).values()] == [2]
+    runs[0]["done"] = True
+    assert res.group(runs) == {"sparse": [runs[0]]}
+    assert res.unfinished(runs, "sparse", [runs[0]]) == " (+1 unfinished)"

@@ -292,10 +292,18 @@ def fmt_time(s):
 
 
 def group(runs: list[dict]) -> dict[str, list[dict]]:
+    """Variant -> its runs that finished (all its runs while none has): a run in progress
+    shows in the per-run table, not in the means."""
     out = {}
     for r in runs:
         out.setdefault(r["variant"], []).append(r)
-    return out
+    return {v: [r for r in rs if r["done"]] or rs for v, rs in out.items()}
+
+
+def unfinished(runs: list[dict], variant: str, shown: list[dict]) -> str:
+    """' (+k unfinished)' for the variant's runs left out of its means, else ''."""
+    k = sum(1 for r in runs if r["variant"] == variant and r not in shown)
+    return f" (+{k} unfinished)" if k else ""
 
 
 def mean_se(vals, digits=3) -> str:
@@ -319,7 +327,7 @@ def main_table(runs: list[dict]) -> list[str]:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for v, rs in groups.items():
-        seeds = ",".join(str(r["seed"]) for r in rs)
+        seeds = ",".join(str(r["seed"]) for r in rs) + unfinished(runs, v, rs)
         steps = sorted({r["steps"] for r in rs})
         step0 = cell(rs, "greedy_accuracy_step0")
         m, s, _ = agg(r["wall_s"] for r in rs)
