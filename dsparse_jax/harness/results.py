@@ -35,6 +35,7 @@ from dsparse_jax.config import cli
 from dsparse_jax.errors import UserError
 from dsparse_jax.harness import ROOT
 from dsparse_jax.harness.variants import DESCRIPTIONS, MAIN, ORDER
+from dsparse_jax.reliability import files
 from dsparse_jax.report.metrics import read_metrics
 
 BEGIN = "<!-- BEGIN CONCLUSIONS: human-written, kept as is when the report is regenerated -->"
@@ -158,7 +159,7 @@ def summarize_run(workdir: str) -> dict | None:
         "time_step": _median(r.get("time_step") for r in timed),
         "time_rollout": _median(r.get("time_rollout") for r in timed),
         "wall_s": wall,
-        "phase_s": phase_medians(rl),
+        "phase_s": phase_medians(timed),
         "accept_length_first": _mean(r.get("spec_accept_length") for r in rl[:1]),
         "accept_length_final": _mean(r.get("spec_accept_length") for r in fin),
         "eval_curve": [
@@ -170,10 +171,9 @@ def summarize_run(workdir: str) -> dict | None:
     return out
 
 
-def phase_medians(rl: list[dict]) -> dict[str, float]:
-    """Phase name -> median over RL steps >= 2 (step 1 compiles) of its time_<phase>, for
-    every phase the run logged, in the order the step runs them."""
-    timed = [r for r in rl if r["step"] >= 2] or rl
+def phase_medians(timed: list[dict]) -> dict[str, float]:
+    """Phase name -> median over the timed RL records (steps >= 2: step 1 compiles) of its
+    time_<phase>, for every phase the run logged, in the order the step runs them."""
     names = dict.fromkeys(k for r in timed for k in r if k.startswith("time_") and k != "time_step")
     return {k.removeprefix("time_"): _median(r.get(k) for r in timed) for k in names}
 
@@ -850,12 +850,8 @@ def write_report(
     fig_rel = os.path.relpath(fig_dir, os.path.dirname(os.path.abspath(out)))
     text = render(expdirs, runs, fig_rel, figures, sweep_md, preserved_conclusions(out))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    tmp = out + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, out)
-    with open(os.path.join(expdirs[0], "results_summary.json"), "w") as f:
-        json.dump(runs, f, indent=2)
+    files.write_text_atomic(out, text)
+    files.write_json_atomic(os.path.join(expdirs[0], "results_summary.json"), runs, indent=2)
     print(f"[report] {len(runs)} runs -> {out}, figures in {fig_dir}", flush=True)
     return out
 
