@@ -275,4 +275,5 @@ def test_report_tables_over_experiments_seeds_phases_and_windows(tmp_path):
     assert [len(rs) for rs in res.group(runs).values()] == [2]
     runs[0]["done"] = True
     assert res.group(runs) == {"sparse": [runs[0]]}
-    assert res.unfinished(runs, "sparse", [runs[0]]) == " (+1 unfinished)"
+    assert res.seeds_cell(runs, "sparse", [runs[0]]) == "0 (+1 unfinished)"
+    assert res.curve_table(runs)[-1].startswith("| `sparse` | 0 (+1 unfinished) |")

@@ -300,10 +300,11 @@ def group(runs: list[dict]) -> dict[str, list[dict]]:
     return {v: [r for r in rs if r["done"]] or rs for v, rs in out.items()}
 
 
-def unfinished(runs: list[dict], variant: str, shown: list[dict]) -> str:
-    """' (+k unfinished)' for the variant's runs left out of its means, else ''."""
+def seeds_cell(runs: list[dict], variant: str, shown: list[dict]) -> str:
+    """The seeds of the variant's runs in its means, then ' (+k unfinished)' for its
+    runs left out of them."""
     k = sum(1 for r in runs if r["variant"] == variant and r not in shown)
-    return f" (+{k} unfinished)" if k else ""
+    return ",".join(str(r["seed"]) for r in shown) + (f" (+{k} unfinished)" if k else "")
 
 
 def mean_se(vals, digits=3) -> str:
@@ -327,7 +328,7 @@ def main_table(runs: list[dict]) -> list[str]:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for v, rs in groups.items():
-        seeds = ",".join(str(r["seed"]) for r in rs) + unfinished(runs, v, rs)
+        seeds = seeds_cell(runs, v, rs)
         steps = sorted({r["steps"] for r in rs})
         step0 = cell(rs, "greedy_accuracy_step0")
         m, s, _ = agg(r["wall_s"] for r in rs)
@@ -397,8 +398,7 @@ def curve_table(runs: list[dict]) -> list[str]:
                 if n:
                     parts.append(mean_se(vals) + (f" (n={n})" if n != len(rs) else ""))
             cells.append(" / ".join(parts) if parts else "-")
-        seeds = ",".join(str(r["seed"]) for r in rs)
-        lines.append(f"| `{v}` | {seeds} | " + " | ".join(cells) + " |")
+        lines.append(f"| `{v}` | {seeds_cell(runs, v, rs)} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -421,7 +421,7 @@ def phase_table(runs: list[dict]) -> list[str]:
         final = cell(rs, "accept_length_final", 2)
         accept = "-" if final == "-" else f"{cell(rs, 'accept_length_first', 2)} → {final}"
         lines.append(
-            f"| `{v}` | {','.join(str(r['seed']) for r in rs)} | "
+            f"| `{v}` | {seeds_cell(runs, v, rs)} | "
             + " | ".join(cells)
             + f" | {cell(rs, 'time_step', 2)} | {cell(rs, 'rollout_tokens_per_s', 0)} | {accept} |"
         )
@@ -476,13 +476,13 @@ def mismatch_table(runs: list[dict]) -> list[str]:
     return lines
 
 
-def sft_wall(expdir: str) -> float | None:
-    """The wall time of the experiment's SFT warm start (its attempts, else its summary)."""
+def sft_base(expdir: str) -> tuple[dict, float | None]:
+    """The experiment's SFT warm start: its summary and its wall time (its attempts
+    summed, else the summary's)."""
+    summary = _read_json(os.path.join(expdir, "sft_base", "summary.json")) or {}
     meta = _read_json(os.path.join(expdir, "sft_base", "experiment_sft.json")) or {}
     wall = sum(a.get("wall_s") or 0 for a in meta.get("attempts", []))
-    return wall or (_read_json(os.path.join(expdir, "sft_base", "summary.json")) or {}).get(
-        "wall_time_s"
-    )
+    return summary, wall or summary.get("wall_time_s")
 
 
 def cpu_time(runs: list[dict], expdirs: list[str]) -> str:
@@ -491,8 +491,8 @@ def cpu_time(runs: list[dict], expdirs: list[str]) -> str:
     walls = [r["wall_s"] for r in runs if _finite(r["wall_s"])]
     starts = {}
     for d in expdirs:
-        key = json.dumps(_read_json(os.path.join(d, "sft_base", "summary.json")), sort_keys=True)
-        starts.setdefault(key, sft_wall(d) or 0.0)
+        summary, wall = sft_base(d)
+        starts.setdefault(json.dumps(summary, sort_keys=True), wall or 0.0)
     return (
         f"Wall time of these runs: {fmt_time(sum(walls))} over {len(walls)} runs, "
         f"+ {fmt_time(sum(starts.values()))} for {len(starts)} SFT warm start(s). Every "
@@ -724,7 +724,7 @@ def render(
 ) -> str:
     expdir = expdirs[0]  # the settings and the warm start are read from the first
     exp = _read_json(os.path.join(expdir, "experiment.json")) or {}
-    sft = _read_json(os.path.join(expdir, "sft_base", "summary.json")) or {}
+    sft, sft_s = sft_base(expdir)
     over = exp.get("common_overrides", {})
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
@@ -745,7 +745,7 @@ def render(
         )
         + ".",
         f"Shared SFT warm start (`sft_base`): held-out greedy accuracy "
-        f"{fmt(sft.get('sft_greedy_accuracy'))}, {fmt_time(sft_wall(expdir))}. "
+        f"{fmt(sft.get('sft_greedy_accuracy'))}, {fmt_time(sft_s)}. "
         "Command and variants: docs/experiments.md.",
         "",
         "## Table 1 (this scale)",
