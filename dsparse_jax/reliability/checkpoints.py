@@ -38,12 +38,21 @@ class IncompatibleCheckpoint(ValueError):
     """A readable checkpoint whose tree does not match this run's state (another config)."""
 
 
+def rng_and_step(rng, step: int) -> dict:
+    """The checkpoint fields every training state carries: its RNG key's data and step."""
+    return {"rng": jax.random.key_data(rng), "step": np.asarray(step, np.int64)}
+
+
+def read_rng_and_step(tree: dict):
+    """(rng, step) of a restored tree (the fields of rng_and_step)."""
+    return jax.random.wrap_key_data(tree["rng"]), int(tree["step"])
+
+
 def to_saveable(params, opt_state, *, rng, step: int, extra: dict | None = None) -> dict:
     tree = {
         "params": nnx.to_pure_dict(params),
         "opt_state": jax.tree.leaves(opt_state),
-        "rng": jax.random.key_data(rng),
-        "step": np.asarray(step, np.int64),
+        **rng_and_step(rng, step),
     }
     for k, v in (extra or {}).items():
         tree[k] = v if isinstance(v, (list, dict)) else np.asarray(v)
@@ -54,11 +63,11 @@ def from_saveable(tree: dict, params_template, opt_template):
     """(params, opt_state, rng, step, extra) from a restored tree."""
     params = from_pure_dict(params_template, tree["params"])
     opt_state = jax.tree.unflatten(jax.tree.structure(opt_template), tree["opt_state"])
-    rng = jax.random.wrap_key_data(tree["rng"])
+    rng, step = read_rng_and_step(tree)
     extra = {
         k: v for k, v in tree.items() if k not in ("params", "opt_state", "rng", "step", INTEGRITY)
     }
-    return params, opt_state, rng, int(tree["step"]), extra
+    return params, opt_state, rng, step, extra
 
 
 def from_pure_dict(state_template, pure):

@@ -94,9 +94,7 @@ def _saveable(
     """The checkpoint tree; phi_warmup_steps: the steps of phi's warm start behind this
     state (0: none), the marker that keeps a resume at step 0 from repeating it."""
     progress = (data_position, consecutive_skips, phi_warmup_steps)
-    tree = to_tree(st)
-    tree["rng"] = jax.random.key_data(rng)
-    tree["step"] = np.asarray(step, np.int64)
+    tree = {**to_tree(st), **checkpoints.rng_and_step(rng, step)}
     tree.update({k: np.asarray(v) for k, v in zip(PROGRESS, progress)})
     return tree
 
@@ -104,7 +102,7 @@ def _saveable(
 def _from_tree(tree: dict, st: TrainState):
     """(state, rng, step, progress) of a restored tree; `st` is the template."""
     progress = {k: int(tree.get(k, 0)) for k in PROGRESS}
-    return from_tree(tree, st), jax.random.wrap_key_data(tree["rng"]), int(tree["step"]), progress
+    return from_tree(tree, st), *checkpoints.read_rng_and_step(tree), progress
 
 
 def _restore(ckpt, latest: int, st: TrainState, rng):
