@@ -88,6 +88,19 @@ def test_plan_variants_and_overrides():
         ex.common_overrides(A)
 
 
+def test_every_variant_is_a_valid_config_and_documented():
+    """Each variant's overrides give a config that validates (on the miniature of issue
+    39's comparison), and docs/experiments.md's table of variants lists it."""
+    from dsparse_jax.config.validate import validate
+
+    cfg = os.path.join(ROOT, "configs", "mini_longchain.py")
+    with open(os.path.join(ROOT, "docs", "experiments.md")) as f:
+        rows = {line.split("`")[1] for line in f if line.startswith("| `")}
+    for name in ex.VARIANTS:
+        validate(cli.load_config(cfg, ex.run_overrides(cfg, {}, name, 0)))
+        assert name in rows, f"docs/experiments.md lists no variant {name}"
+
+
 @pytest.mark.slow
 def test_tiny_experiment_resumes_and_reports(tmp_path):
     exp = str(tmp_path / "exp")

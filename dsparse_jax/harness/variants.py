@@ -60,6 +60,10 @@ _TABLE = {
         {**_variant("distillsparse", "tis"), "distill.warmup_steps": 10},
         "DistillSparse + TIS, phi warm-started for 10 steps before RL (distill.warmup_steps)",
     ),
+    "distillsparse_tis_m2n": (
+        _variant("distillsparse", "tis", samples_generated="2n"),
+        "DistillSparse + TIS + oversampling M = 2n, top-n by reward",
+    ),
     "distillsparse_tis_rows2": (
         {**_variant("distillsparse", "tis"), "distill.row_stride": 2},
         "DistillSparse + TIS, phi trained on every second row (distill.row_stride=2)",
