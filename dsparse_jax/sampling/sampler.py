@@ -211,20 +211,11 @@ def buffer_schedule(
     return sizes + [full]
 
 
-class Sampler:
-    """Samples completions from a Transformer. Build once per model graph; call with any
-    weights of that graph."""
-
-    def __init__(self, graphdef):
-        self.graphdef = graphdef
-        self._jitted = jax.jit(
-            self._sample, static_argnames=("cfg", "spec", "lora_scale", "prune", "chunks")
-        )
+class JittedCall:
+    """A sampler's call: `_bind` normalises the arguments, `_jitted` (set by the sampler's
+    __init__) runs them."""
 
     def __call__(self, *args, **kwargs):
-        """sampler(state, prompts_BxL, prompt_lengths_B, key, cfg, spec, lora, lora_scale,
-        forced_BxS, prune, head, chunks) (`_bind`): a Rollout with B * samples_per_prompt
-        rows (a prompt's samples contiguous)."""
         args, kwargs = self._bind(*args, **kwargs)
         return self._jitted(*args, **kwargs)
 
@@ -233,6 +224,21 @@ class Sampler:
         time (the call then reuses the executable)."""
         args, kwargs = self._bind(*args, **kwargs)
         return self._jitted.lower(*args, **kwargs)
+
+
+class Sampler(JittedCall):
+    """Samples completions from a Transformer. Build once per model graph; call with any
+    weights of that graph:
+
+    sampler(state, prompts_BxL, prompt_lengths_B, key, cfg, spec, lora, lora_scale,
+    forced_BxS, prune, head, chunks) (`_bind`): a Rollout with B * samples_per_prompt rows
+    (a prompt's samples contiguous)."""
+
+    def __init__(self, graphdef):
+        self.graphdef = graphdef
+        self._jitted = jax.jit(
+            self._sample, static_argnames=("cfg", "spec", "lora_scale", "prune", "chunks")
+        )
 
     def _bind(
         self,

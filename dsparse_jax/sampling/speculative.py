@@ -59,6 +59,7 @@ from dsparse_jax.model import draft_head, transformer
 from dsparse_jax.parallel import sharding
 from dsparse_jax.sampling import rejection
 from dsparse_jax.sampling.sampler import (
+    JittedCall,
     Rollout,
     SamplingConfig,
     buffer_length,
@@ -520,8 +521,12 @@ def _verify_tree(vc: _VerifyCtx, out: DraftOut, x_cur_Bx1, cur_B, limit_B, key) 
 
 
 # ------------------------------------------------------------------------------- engine
-class SpeculativeSampler:
-    """Speculative rollouts of the dense policy theta. Build once per model graph."""
+class SpeculativeSampler(JittedCall):
+    """Speculative rollouts of the dense policy theta. Build once per model graph:
+
+    sampler(state, prompts_BxL, prompt_lengths_B, key, cfg, speculative_cfg, draft_spec,
+    lora, lora_scale, history, return_cache, head) (`_bind`): (Rollout of B *
+    samples_per_prompt rows, SpeculativeStats[, the final KV cache when return_cache])."""
 
     def __init__(self, graphdef):
         self.graphdef = graphdef
@@ -536,19 +541,6 @@ class SpeculativeSampler:
                 "head_graphdef",
             ),
         )
-
-    def __call__(self, *args, **kwargs):
-        """sampler(state, prompts_BxL, prompt_lengths_B, key, cfg, speculative_cfg, draft_spec,
-        lora, lora_scale, history, return_cache, head) (`_bind`): (Rollout of B *
-        samples_per_prompt rows, SpeculativeStats[, the final KV cache when return_cache])."""
-        args, kwargs = self._bind(*args, **kwargs)
-        return self._jitted(*args, **kwargs)
-
-    def lower(self, *args, **kwargs):
-        """jax's Lowered of the call with these arguments: `.compile()` compiles it ahead of
-        time (the call then reuses the executable)."""
-        args, kwargs = self._bind(*args, **kwargs)
-        return self._jitted.lower(*args, **kwargs)
 
     def _bind(
         self,
