@@ -66,7 +66,9 @@ def test_grpo_raises_reward_of_toy_task():
     assert np.mean(history[-2:]) > history[0] + 0.25, history
 
 
-def test_microbatches_give_the_same_update():
+def _microbatch_setup():
+    """A one-layer model, its optimizer and a 4-row batch of tokens and a completion mask,
+    for comparing updates over microbatch counts."""
     cfg = tiny(vocab_size=8).replace(
         d_model=16, num_layers=1, head_dim=8, mlp_dim=32, layer_pattern=("global",)
     )
@@ -82,6 +84,11 @@ def test_microbatches_give_the_same_update():
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(1, 8, (4, 16)), jnp.int32)
     mask = jnp.asarray(rng.random((4, 16)) < 0.6, jnp.float32).at[:, 0].set(0.0)
+    return graphdef, params, tx, rng, tokens, mask
+
+
+def test_microbatches_give_the_same_update():
+    graphdef, params, tx, rng, tokens, mask = _microbatch_setup()
     old, _ = logprobs(params, tokens, graphdef=graphdef, temperature=1.0)
     batch = {
         "tokens": tokens,
@@ -115,21 +122,7 @@ def test_microbatches_give_the_same_update():
 def test_every_objective_accumulates_microbatches_exactly(settings):
     """theta's update through each policy loss of the table (and the truncated log-probs):
     1 or 4 microbatches give the same step, the loss moves the parameters, all finite."""
-    cfg = tiny(vocab_size=8).replace(
-        d_model=16, num_layers=1, head_dim=8, mlp_dim=32, layer_pattern=("global",)
-    )
-    graphdef, params = nnx.split(Transformer(cfg, nnx.Rngs(1)))
-    tx = steps.make_optimizer(
-        1e-2,
-        warmup_steps=1,
-        total_steps=2,
-        weight_decay=0.0,
-        max_grad_norm=1e9,
-        schedule="constant",
-    )
-    rng = np.random.default_rng(0)
-    tokens = jnp.asarray(rng.integers(1, 8, (4, 16)), jnp.int32)
-    mask = jnp.asarray(rng.random((4, 16)) < 0.6, jnp.float32).at[:, 0].set(0.0)
+    graphdef, params, tx, rng, tokens, mask = _microbatch_setup()
     old, _ = token_logprobs(
         graphdef,
         params,
