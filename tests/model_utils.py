@@ -1,6 +1,8 @@
 """Shared test helpers: random model weights drawn with numpy (no eager-init compiles),
-an attention's output and gradients compiled as one program, a launch/ script as a module."""
+an attention's output and gradients compiled as one program, a launch/ script as a module,
+a run context with some config fields changed."""
 
+import copy
 import importlib.util
 import math
 import os
@@ -53,3 +55,20 @@ def load_launch(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def configured(ctx, **fields):
+    """A copy of the RunContext `ctx` with config fields set (section__field: rl__draft=...,
+    rl__draft_head__unroll=3), validated."""
+    from dsparse_jax.config.validate import validate
+    from dsparse_jax.train import context
+
+    c = copy.deepcopy(ctx.config)
+    for key, v in fields.items():
+        *sections, name = key.split("__")
+        section = c
+        for part in sections:
+            section = section[part]
+        section[name] = v
+    validate(c)
+    return context.RunContext(**{**ctx.__dict__, "config": c})

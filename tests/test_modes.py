@@ -3,7 +3,6 @@ compiles), and the step's data path is what the mode says: the actor's twin repr
 the rollout log-probs on the kept rows, the oversampling filter keeps n of M, phi moves
 only in distillsparse, checkpoints round-trip phi."""
 
-import copy
 import dataclasses
 import math
 import os
@@ -18,6 +17,7 @@ from dsparse_jax.config.validate import ConfigError, load_config, validate
 from dsparse_jax.data.rewards.rewarder import Scored
 from dsparse_jax.rl import modes
 from dsparse_jax.train import context, phases, rl_loop, rl_state, trainables
+from tests.model_utils import configured
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,18 +41,6 @@ def ctx():
     c = base_config()
     validate(c)
     return context.build(c)
-
-
-def _with(ctx, **rl):
-    c = copy.deepcopy(ctx.config)
-    for k, v in rl.items():
-        *sections, field = k.split("__")
-        section = c
-        for part in sections:
-            section = section[part]
-        section[field] = v
-    validate(c)
-    return context.RunContext(**{**ctx.__dict__, "config": c})
 
 
 def _leaves(tree):
@@ -107,7 +95,7 @@ CASES = [
 @pytest.mark.parametrize("name,overrides", CASES, ids=[c[0] for c in CASES])
 def test_mode_runs_two_steps(ctx, name, overrides, monkeypatch):
     monkeypatch.setattr(phases, "grade", fake_score)
-    run = _with(ctx, **overrides)
+    run = configured(ctx, **overrides)
     setup = rl_state.make_setup(run)
     st = trainables.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
     lora0 = _leaves(st.lora) if st.lora is not None else None
@@ -179,7 +167,7 @@ def test_twin_every_skips_a_metrics_only_twin(ctx, monkeypatch):
     selection and theta's update still run on the dense recompute. The modes that need the
     twin ignore the setting (the table; sparse_train and distillsparse recompute it)."""
     monkeypatch.setattr(phases, "grade", fake_score)
-    run = _with(
+    run = configured(
         ctx,
         rl__rollout_mode="sparse",
         rl__is_correction="mis",
@@ -224,7 +212,7 @@ def test_speculative_mode_runs_two_steps(ctx, draft, monkeypatch, tmp_path):
     monkeypatch.setattr(phases, "grade", fake_score)
     history_draft = "tree" if draft == "history_tree" else "latest"
     draft = "history" if draft == "history_tree" else draft
-    run = _with(
+    run = configured(
         ctx,
         rl__rollout_mode="speculative",
         rl__draft=draft,
@@ -277,7 +265,7 @@ def _check_phi_warm_start(run, setup, st, tmp_path):
     bitwise unchanged; logged with the drafter's figures."""
     from dsparse_jax.report.metrics import MetricsWriter, read_metrics
 
-    run = _with(run, distill__warmup_steps=1)
+    run = configured(run, distill__warmup_steps=1)
     theta, lora = _leaves(st.theta.params), _leaves(st.lora)
     writer = MetricsWriter(str(tmp_path), tensorboard=False)
     st = rl_loop.warm_start_phi(run, setup, st, writer)
@@ -330,7 +318,7 @@ def _check_draft_head(run, setup, st, m, rng, tmp_path):
 def test_distillsparse_checkpoint_round_trips_phi(ctx, tmp_path):
     from dsparse_jax.reliability import checkpoints
 
-    run = _with(ctx, rl__rollout_mode="distillsparse")
+    run = configured(ctx, rl__rollout_mode="distillsparse")
     setup = rl_state.make_setup(run)
     st = trainables.init_state(run, setup, run.init_params)
     st.phi = st.phi.replace(jax.tree.map(lambda x: x + 0.5, st.lora), st.phi.opt_state)  # B != 0
@@ -415,7 +403,7 @@ def _spy(monkeypatch, module, name: str) -> list:
 def test_phi_warm_start_rolls_out_n_per_prompt_with_oversampling(ctx):
     """phi's warm start samples n per prompt even when RL oversamples (M > n): its setup's
     SamplingConfig, which the rollout phase reads, says n."""
-    run = _with(
+    run = configured(
         ctx, rl__rollout_mode="distillsparse", rl__samples_generated=3, distill__warmup_steps=1
     )
     setup = rl_state.make_setup(run)
@@ -433,7 +421,7 @@ def test_phi_warm_start_moves_phi_only_and_a_resume_does_not_repeat_it(ctx, monk
     from dsparse_jax.report.metrics import MetricsWriter, read_metrics
 
     monkeypatch.setattr(phases, "grade", fake_score)
-    run = _with(
+    run = configured(
         ctx,
         rl__rollout_mode="distillsparse",
         rl__num_steps=1,
@@ -498,7 +486,7 @@ def test_phi_row_stride_trains_on_every_sth_row_and_lowers_the_kl(ctx, monkeypat
     from dsparse_jax.report.metrics import MetricsWriter
     from dsparse_jax.train import distill
 
-    run = _with(
+    run = configured(
         ctx, rl__rollout_mode="distillsparse", distill__row_stride=2, distill__warmup_steps=3
     )
     setup = rl_state.make_setup(run)
@@ -574,7 +562,7 @@ def test_the_default_correction_is_the_modes(ctx):
     sparse stays the uncorrected baseline); an explicit value wins."""
     assert ctx.config.rl.is_correction == "auto"
     kinds = {
-        mode: rl_state.make_setup(_with(ctx, rl__rollout_mode=mode)).correction.kind
+        mode: rl_state.make_setup(configured(ctx, rl__rollout_mode=mode)).correction.kind
         for mode in ("distillsparse", "sparse", "dense", "sparse_train")
     }
     assert kinds == {
@@ -583,5 +571,5 @@ def test_the_default_correction_is_the_modes(ctx):
         "dense": "none",
         "sparse_train": "none",
     }
-    explicit = _with(ctx, rl__rollout_mode="distillsparse", rl__is_correction="none")
+    explicit = configured(ctx, rl__rollout_mode="distillsparse", rl__is_correction="none")
     assert rl_state.make_setup(explicit).correction.kind == "none"

@@ -6,7 +6,6 @@ that compile once), alone and composed with oversampling and with pruning.
 The order tests run the phases on synthetic rollouts (no model); the end-to-end tests run
 rl_step on the tiny model of tests/test_modes.py."""
 
-import copy
 import math
 
 import jax
@@ -19,6 +18,7 @@ from dsparse_jax.data.rewards.rewarder import Scored
 from dsparse_jax.sampling.sampler import Rollout
 from dsparse_jax.train import context, phases, rl_state, trainables
 from dsparse_jax.train.rl_state import RL_DATA_OFFSET
+from tests.model_utils import configured
 from tests.test_modes import base_config
 
 
@@ -28,19 +28,6 @@ def ctx():
     c.rl.rollout_mode = "dense"
     validate(c)
     return context.build(c)
-
-
-def configured(ctx, **fields):
-    """ctx with config fields set ("rl.overlong.buffer": 4, ...), validated."""
-    c = copy.deepcopy(ctx.config)
-    for path, v in fields.items():
-        *sections, name = path.split(".")
-        section = c
-        for s in sections:
-            section = section[s]
-        section[name] = v
-    validate(c)
-    return context.RunContext(**{**ctx.__dict__, "config": c})
 
 
 def synthetic_rollout(lengths, eos_rows, eos_id, mark=10, prompt=2, width=None):
@@ -72,12 +59,10 @@ def test_select_shapes_rewards_before_the_top_n_and_filters_truncated_rows(ctx):
     L = ctx.task.completion_budget()
     run = configured(
         ctx,
-        **{
-            "rl.samples_generated": 4,
-            "rl.overlong.buffer": L,
-            "rl.overlong.filter": True,
-            "metrics.all_rows_every": 0,
-        },
+        rl__samples_generated=4,
+        rl__overlong__buffer=L,
+        rl__overlong__filter=True,
+        metrics__all_rows_every=0,
     )
     setup = rl_state.make_setup(run)
     assert (setup.n, setup.m, setup.sampling.max_new_tokens) == (2, 4, L)
@@ -132,12 +117,10 @@ class Draws:
 def dynamic_run(ctx, monkeypatch, rewards_per_draw, max_draws=3, step=0):
     run = configured(
         ctx,
-        **{
-            "rl.prompts_per_step": 3,
-            "rl.minibatches": 1,
-            "rl.dynamic_sampling.enabled": True,
-            "rl.dynamic_sampling.max_draws": max_draws,
-        },
+        rl__prompts_per_step=3,
+        rl__minibatches=1,
+        rl__dynamic_sampling__enabled=True,
+        rl__dynamic_sampling__max_draws=max_draws,
     )
     setup = rl_state.make_setup(run)
     draws = Draws(rewards_per_draw, setup.sampling.eos_id, setup.n)
@@ -220,13 +203,11 @@ def test_rl_step_dynamic_sampling_with_oversampling_and_overlong(ctx, monkeypatc
     monkeypatch.setattr(phases, "grade", grade)
     run = configured(
         ctx,
-        **{
-            "rl.samples_generated": 3,
-            "rl.dynamic_sampling.enabled": True,
-            "rl.dynamic_sampling.max_draws": 3,
-            "rl.overlong.buffer": 8,
-            "rl.overlong.filter": True,
-        },
+        rl__samples_generated=3,
+        rl__dynamic_sampling__enabled=True,
+        rl__dynamic_sampling__max_draws=3,
+        rl__overlong__buffer=8,
+        rl__overlong__filter=True,
     )
     setup = rl_state.make_setup(run)
     st = trainables.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
@@ -267,9 +248,7 @@ def test_rl_step_dynamic_sampling_with_pruning(monkeypatch):
     grade, calls = first_draw_constant(binary_score)
     monkeypatch.setattr(phases, "grade", grade)
     base = _prune_run()
-    run = configured(
-        base, **{"rl.dynamic_sampling.enabled": True, "rl.dynamic_sampling.max_draws": 2}
-    )
+    run = configured(base, rl__dynamic_sampling__enabled=True, rl__dynamic_sampling__max_draws=2)
     setup = rl_state.make_setup(run)
     st = trainables.init_state(run, setup, jax.tree.map(jnp.copy, run.init_params))
     st, m = phases.rl_step(run, setup, st, jax.random.key(4), 0)
