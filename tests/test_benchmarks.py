@@ -1,6 +1,6 @@
 """The rollout benchmark (bench/rollout.py) runs end to end at toy sizes and reports
-what it measured: every part, the growing-cache rows, the ratios and the targets; so does
-bench/gather_slices.py, and the prepared device check (launch/device_check.sh) runs
+what it measured: every part, the growing-cache rows, the ratios and the targets; so do
+bench/gather_slices.py and bench/rl_step.py (one field varied side by side), and the prepared device check (launch/device_check.sh) runs
 every stage in its CPU dry run. Timings are not checked (benchmarks are not timed tests);
 the structure and the invariants the script itself relies on are."""
 
@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from dsparse_jax.bench import gather_slices, kernels, rollout
+from dsparse_jax.bench import gather_slices, kernels, rl_step, rollout
+from dsparse_jax.errors import UserError
 
 
 @pytest.mark.slow  # ~10 sampler / step / forward compiles of the tiny preset
@@ -160,3 +161,27 @@ def test_bench_speculative_history_rows_parse_and_refuse():
     for bad in ("tree", "suffix:4", "tree:0x2", "counts:four"):
         with pytest.raises(UserError, match="--history"):
             speculative.history_row(bad)
+
+
+@pytest.mark.slow  # two distillsparse steps at each of two phi row strides, tiny model
+def test_bench_rl_step_varies_one_field_side_by_side(tmp_path, capsys):
+    out = tmp_path / "rl_step.json"
+    tiny = ["model.d_model=32", "model.num_layers=2", "model.mlp_dim=64", "task.num_vars=4"]
+    tiny += ["rl.prompts_per_step=2", "rl.samples_per_prompt=2", "rl.minibatches=1"]
+    tiny += ["attention.page_size=8", "sparse.budget=3", "sparse.dense_layers=1"]
+    rl_step.main(
+        [f"--config.{t}" for t in tiny]
+        + ["--terms=2", "--modes=distillsparse", "--vary=distill.row_stride=1,2", "--steps=1"]
+        + [f"--out={out}"]
+    )
+    rows = json.loads(out.read_text())
+    assert [r["distill.row_stride"] for r in rows] == ["1", "2"]
+    assert all(r["mode"] == "distillsparse" and r["time_update_phi"] > 0 for r in rows)
+    assert rows[1]["phi_num_tokens"] == rows[0]["phi_num_tokens"] / 2  # the field took effect
+    ratio = rows[1]["ratio_to_first"]
+    assert ratio["time_update_phi"] == pytest.approx(
+        rows[1]["time_update_phi"] / rows[0]["time_update_phi"]
+    )
+    assert "distillsparse distill.row_stride=2 / =1" in capsys.readouterr().out
+    with pytest.raises(UserError, match="--vary: expected FIELD=A,B"):
+        rl_step.parse_args(["--vary=distill.row_stride"])

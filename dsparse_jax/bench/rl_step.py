@@ -4,8 +4,10 @@ generation lengths (task.num_terms: ~11 completion tokens per term).
   python -m dsparse_jax.bench.rl_step --terms=4,8,16 --modes=dense,distillsparse --steps=3 \
       [--config=configs/gemma_math.py --config.sparse.budget=6 ...]
 
-Per (length, mode): one untimed step (compiles), then the median over
---steps timed steps of each phase (train/phases.py): rollout, score (rewards), select
+  python -m dsparse_jax.bench.rl_step --modes=distillsparse --vary=distill.row_stride=1,2 ...
+
+Per (length, mode[, value of the --vary field]): one untimed step (compiles), then the
+median over --steps timed steps of each phase (train/phases.py): rollout, score (rewards), select
 (the oversampling filter), recompute (dense teacher-forced forward, plus the actor's twin
 and the mismatch metrics in sparse modes), update_theta, update_phi (the sparse + LoRA
 teacher-forced forward and backward, and the phi optimizer step). Weights are the fresh random init unless
@@ -13,16 +15,19 @@ teacher-forced forward and backward, and the phi optimizer step). Weights are th
 random model often emits EOS after a few dozen tokens, so the timing benchmark uses
 --ignore_eos=true (default): every completion runs to the full generation budget, as in
 rollout benchmarks that fix the output length (rewards, and hence the gradients, are then
-mostly zero; the work per phase is the same). Prints a table and writes JSON to --out.
+mostly zero; the work per phase is the same). --vary=FIELD=A,B runs every mode at each
+value of one config field, side by side in the process, and prints each phase's time at
+every value over its time at the first. Prints a table and writes JSON to --out.
 """
 
+import argparse
 import copy
 import dataclasses
-import json
 import statistics
 
 from dsparse_jax.config import cli
 from dsparse_jax.errors import UserError
+from dsparse_jax.reliability import files
 
 PHASES = (  # train/phases.py: time_<phase> of every phase, and their sum
     "time_rollout",
@@ -76,7 +81,22 @@ def parse_args(argv: list[str]):
         default=True,
         help="generate the full budget (EOS never ends a completion)",
     )
+    p.add_argument(
+        "--vary",
+        type=_vary,
+        default=None,
+        help="FIELD=A,B: run every mode at each value of one config field (distill.row_stride=1,2)",
+    )
     return p.parse_args(argv)
+
+
+def _vary(text: str) -> tuple[str, list[str]]:
+    """'distill.row_stride=1,2' -> ('distill.row_stride', ['1', '2'])."""
+    field, _, values = text.partition("=")
+    items = [v.strip() for v in values.split(",") if v.strip()]
+    if not field or not items:
+        raise argparse.ArgumentTypeError(f"expected FIELD=A,B, got {text!r}")
+    return field.strip(), items
 
 
 def bench(config, args):
@@ -99,10 +119,14 @@ def bench(config, args):
         params0 = _sft_params(ctx, args.params_from) if args.params_from else ctx.init_params
         budget = ctx.task.completion_budget()
         row = {}
-        for mode in args.modes:
+        field, values = args.vary or (None, [None])
+        for mode, value in [(m, v) for m in args.modes for v in values]:
             c = copy.deepcopy(base)
             c.rl.rollout_mode = mode
+            if field:
+                cli.apply_override(c, field, value)
             validate(c)
+            label = f"{mode} {field}={value}" if field else mode
             tok = _NoEos(ctx.tok) if args.ignore_eos else ctx.tok
             run = dataclasses.replace(ctx, config=c, tok=tok)
             setup = rl_state.make_setup(run)
@@ -116,17 +140,20 @@ def bench(config, args):
                     timed.append(m)
             med = {p: statistics.median(t.get(p, 0.0) for t in timed) for p in PHASES}
             med["response_length_mean"] = statistics.mean(t["response_length_mean"] for t in timed)
+            if "phi_num_tokens" in timed[0]:  # the tokens phi trained on (distill.row_stride)
+                med["phi_num_tokens"] = statistics.mean(t["phi_num_tokens"] for t in timed)
             med.update(
                 mode=mode,
+                **({field: value} if field else {}),
                 num_terms=terms,
                 completion_budget=budget,
                 batch_rows=c.rl.prompts_per_step * c.rl.samples_per_prompt,
                 ignore_eos=args.ignore_eos,
             )
-            row[mode] = med
+            row[label] = med
             results.append(med)
             print(
-                f"[bench] terms {terms} (budget {budget} tokens) {mode}: "
+                f"[bench] terms {terms} (budget {budget} tokens) {label}: "
                 + " ".join(f"{p[5:]} {med[p]:.3f}s" for p in PHASES)
                 + f" | mean length {med['response_length_mean']:.1f}",
                 flush=True,
@@ -138,19 +165,30 @@ def bench(config, args):
                 f"{d['time_rollout'] / d['time_step']:.1%}",
                 flush=True,
             )
-            for mode, r in row.items():
-                if mode != "dense":
+            for label, r in row.items():
+                if label != "dense":
                     distill_cost = r["time_update_phi"]
                     print(
-                        f"[bench] terms {terms}: {mode} speedup vs dense "
+                        f"[bench] terms {terms}: {label} speedup vs dense "
                         f"{d['time_step'] / r['time_step']:.2f}x; rollout "
                         f"{d['time_rollout'] / max(r['time_rollout'], 1e-9):.2f}x; "
                         f"distillation phases / dense update "
                         f"{distill_cost / max(d['time_update_theta'], 1e-9):.2f}",
                         flush=True,
                     )
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+        for mode in args.modes if field else []:
+            first = row[f"{mode} {field}={values[0]}"]
+            for value in values[1:]:
+                r = row[f"{mode} {field}={value}"]
+                r["ratio_to_first"] = {
+                    p: r[p] / first[p] for p in PHASES if first[p] > 0 and r[p] > 0
+                }
+                print(
+                    f"[bench] terms {terms}: {mode} {field}={value} / ={values[0]}: "
+                    + " ".join(f"{p[5:]} {x:.2f}x" for p, x in r["ratio_to_first"].items()),
+                    flush=True,
+                )
+    files.write_json_atomic(args.out, results, indent=2)
     print(f"[bench] wrote {args.out}", flush=True)
 
 
