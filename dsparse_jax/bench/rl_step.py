@@ -99,6 +99,11 @@ def _vary(text: str) -> tuple[str, list[str]]:
     return field.strip(), items
 
 
+def _label(mode: str, field: str | None, value: str | None) -> str:
+    """A row's name: the mode, and the --vary field's value when one is varied."""
+    return f"{mode} {field}={value}" if field else mode
+
+
 def bench(config, args):
     from absl import logging
 
@@ -126,7 +131,7 @@ def bench(config, args):
             if field:
                 cli.apply_override(c, field, value)
             validate(c)
-            label = f"{mode} {field}={value}" if field else mode
+            label = _label(mode, field, value)
             tok = _NoEos(ctx.tok) if args.ignore_eos else ctx.tok
             run = dataclasses.replace(ctx, config=c, tok=tok)
             setup = rl_state.make_setup(run)
@@ -177,9 +182,9 @@ def bench(config, args):
                         flush=True,
                     )
         for mode in args.modes if field else []:
-            first = row[f"{mode} {field}={values[0]}"]
+            first = row[_label(mode, field, values[0])]
             for value in values[1:]:
-                r = row[f"{mode} {field}={value}"]
+                r = row[_label(mode, field, value)]
                 r["ratio_to_first"] = {
                     p: r[p] / first[p] for p in PHASES if first[p] > 0 and r[p] > 0
                 }
