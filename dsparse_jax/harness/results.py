@@ -155,6 +155,7 @@ def summarize_run(workdir: str) -> dict | None:
         "response_length_final": _mean(r.get("response_length_mean") for r in fin),
         "tis_clip_frac": _mean(r.get("tis_clip_frac") for r in fin),
         "mis_masked_frac": _mean(r.get("mis_masked_frac") for r in fin),
+        "mis_seq_masked_frac": _mean(r.get("mis_seq_masked_frac") for r in fin),
         "rollout_tokens_per_s": _median(r.get("rollout_tokens_per_s") for r in timed),
         "time_step": _median(r.get("time_step") for r in timed),
         "time_rollout": _median(r.get("time_rollout") for r in timed),
@@ -356,7 +357,7 @@ def run_table(runs: list[dict]) -> list[str]:
     lines = [
         "| run | done | steps | greedy acc. step 0 / final | mean@k | actor acc. "
         "| final reward | resp. len. | KL exact first → final | KL bin 0 / longest "
-        "| p5 α bin 0 / longest | TIS clip | MIS masked | tok/s | s/step | wall |",
+        "| p5 α bin 0 / longest | TIS clip | MIS masked token / seq. | tok/s | s/step | wall |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
         "| --- | --- | --- |",
     ]
@@ -369,7 +370,8 @@ def run_table(runs: list[dict]) -> list[str]:
             f"| {fmt(r['kl_exact_first'])} → {fmt(r['kl_exact'])} "
             f"| {fmt(r['kl_first_bin'])} / {fmt(r['kl_longest_bin'])} "
             f"| {fmt(r['alpha_p5_first_bin'])} / {fmt(r['alpha_p5_longest_bin'])} "
-            f"| {fmt(r['tis_clip_frac'])} | {fmt(r['mis_masked_frac'])} "
+            f"| {fmt(r['tis_clip_frac'])} "
+            f"| {fmt(r['mis_masked_frac'])} / {fmt(r['mis_seq_masked_frac'])} "
             f"| {fmt(r['rollout_tokens_per_s'], 0)} | {fmt(r['time_step'], 2)} "
             f"| {fmt_time(r['wall_s'])} |"
         )
@@ -793,6 +795,10 @@ def render(
         "## Per run",
         "",
         *run_table(runs),
+        "",
+        "TIS clip, MIS masked: over the final steps, the share of tokens whose TIS weight "
+        "was capped and the share MIS would drop at the token and at the sequence level "
+        "(`rl.mis_level`), logged in every mode whatever correction the run applies.",
         "",
         "## Numbers behind each claim",
         "",
