@@ -1,7 +1,7 @@
 """The rollout benchmark (bench/rollout.py) runs end to end at toy sizes and reports
 what it measured: every part, the growing-cache rows, the ratios and the targets; so do
-bench/gather_slices.py and bench/rl_step.py (one field varied side by side), and the prepared device check (launch/device_check.sh) runs
-every stage in its CPU dry run. Timings are not checked (benchmarks are not timed tests);
+bench/gather_slices.py and bench/rl_step.py (one field varied side by side), and the
+prepared device check (launch/device_check.sh) runs every stage in its CPU dry run. Timings are not checked (benchmarks are not timed tests);
 the structure and the invariants the script itself relies on are."""
 
 import json

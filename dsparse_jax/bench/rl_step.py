@@ -189,7 +189,7 @@ def bench(config, args):
                     p: r[p] / first[p] for p in PHASES if first[p] > 0 and r[p] > 0
                 }
                 print(
-                    f"[bench] terms {terms}: {mode} {field}={value} / ={values[0]}: "
+                    f"[bench] terms {terms}: {_label(mode, field, value)} / ={values[0]}: "
                     + " ".join(f"{p[5:]} {x:.2f}x" for p, x in r["ratio_to_first"].items()),
                     flush=True,
                 )
