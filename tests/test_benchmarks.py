@@ -1,8 +1,9 @@
 """The rollout benchmark (bench/rollout.py) runs end to end at toy sizes and reports
 what it measured: every part, the growing-cache rows, the ratios and the targets; so do
 bench/gather_slices.py and bench/rl_step.py (one field varied side by side), and the
-prepared device check (launch/device_check.sh) runs every stage in its CPU dry run. Timings are not checked (benchmarks are not timed tests);
-the structure and the invariants the script itself relies on are."""
+prepared device check (launch/device_check.sh) runs every stage in its CPU dry run.
+Timings are not checked (benchmarks are not timed tests); the structure and the
+invariants the script itself relies on are."""
 
 import json
 import os
@@ -183,5 +184,40 @@ def test_bench_rl_step_varies_one_field_side_by_side(tmp_path, capsys):
         rows[1]["time_update_phi"] / rows[0]["time_update_phi"]
     )
     assert "distillsparse distill.row_stride=2 / =1" in capsys.readouterr().out
-    with pytest.raises(UserError, match="--vary: expected FIELD=A,B"):
-        rl_step.parse_args(["--vary=distill.row_stride"])
+
+
+def test_bench_rl_step_builds_each_row_from_its_own_config(tmp_path, monkeypatch):
+    """A varied field the run context derives (here the sparse spec) reaches the row's
+    run: each row's context is built from its own config, not from the first one's."""
+    from dsparse_jax.train import phases
+
+    budgets = []
+
+    def step_stub(run, setup, state, key, step):
+        budgets.append(run.rollout_spec.sparse.budget)
+        return state, {"time_step": 1.0, "response_length_mean": 1.0}
+
+    monkeypatch.setattr(phases, "rl_step", step_stub)
+    tiny = ["model.d_model=32", "model.num_layers=2", "model.mlp_dim=64", "task.num_vars=4"]
+    tiny += ["attention.page_size=8", "sparse.budget=3", "sparse.dense_layers=1"]
+    rl_step.main(
+        [f"--config.{t}" for t in tiny]
+        + ["--terms=2", "--modes=sparse", "--vary=sparse.budget=4,5", "--steps=1"]
+        + [f"--out={tmp_path / 'rl_step.json'}"]
+    )
+    assert budgets == [4, 4, 5, 5]  # one untimed and one timed step per row
+
+
+def test_bench_rl_step_refuses_bad_arguments():
+    for argv, message in [
+        (["--vary=distill.row_stride"], "--vary: expected FIELD=A,B"),
+        (
+            ["--vary=rl.rollout_mode=dense,sparse"],
+            "--vary: the rollout mode is varied with --modes",
+        ),
+        (["--steps=0"], "--steps: at least 1"),
+    ]:
+        with pytest.raises(UserError, match=message):
+            rl_step.parse_args(argv)
+    with pytest.raises(UserError, match="config.distill.row_strid"):  # before any compile
+        rl_step.main(["--terms=2", "--modes=dense", "--vary=distill.row_strid=1,2"])

@@ -16,13 +16,15 @@ random model often emits EOS after a few dozen tokens, so the timing benchmark u
 --ignore_eos=true (default): every completion runs to the full generation budget, as in
 rollout benchmarks that fix the output length (rewards, and hence the gradients, are then
 mostly zero; the work per phase is the same). --vary=FIELD=A,B runs every mode at each
-value of one config field, side by side in the process, and prints each phase's time at
-every value over its time at the first. Prints a table and writes JSON to --out.
+value of one config field (any but the mode; each row's run context is built from its
+own config), side by side in the process, and prints each phase's time at every value
+over its time at the first. Prints a table and writes JSON to --out.
 """
 
 import argparse
 import copy
 import dataclasses
+import itertools
 import statistics
 
 from dsparse_jax.config import cli
@@ -87,7 +89,10 @@ def parse_args(argv: list[str]):
         default=None,
         help="FIELD=A,B: run every mode at each value of one config field (distill.row_stride=1,2)",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error(f"--steps: at least 1 timed step, got {args.steps}")
+    return args
 
 
 def _vary(text: str) -> tuple[str, list[str]]:
@@ -96,12 +101,58 @@ def _vary(text: str) -> tuple[str, list[str]]:
     items = [v.strip() for v in values.split(",") if v.strip()]
     if not field or not items:
         raise argparse.ArgumentTypeError(f"expected FIELD=A,B, got {text!r}")
-    return field.strip(), items
+    if field.strip() == "rl.rollout_mode":
+        raise argparse.ArgumentTypeError("the rollout mode is varied with --modes")
+    return field.strip(), list(dict.fromkeys(items))
 
 
 def _label(mode: str, field: str | None, value: str | None) -> str:
     """A row's name: the mode, and the --vary field's value when one is varied."""
     return f"{mode} {field}={value}" if field else mode
+
+
+def run_config(config, terms: int, mode: str, field: str | None, value: str | None):
+    """The config of one (length, mode, value) row: config with task.num_terms, the
+    rollout mode and the --vary field set (a UserError names a bad field or value)."""
+    c = copy.deepcopy(config)
+    c.task.num_terms = terms
+    if not c.task.repeat_terms:
+        c.task.num_vars = max(c.task.num_vars, terms)
+    c.rl.rollout_mode = mode
+    if field:
+        cli.apply_override(c, field, value)
+    return c
+
+
+def _medians(timed: list[dict]) -> dict:
+    """Median of each phase over the timed steps, the mean completion length, and the
+    tokens phi trained on (distill.row_stride) where phi trains."""
+    med = {p: statistics.median(t.get(p, 0.0) for t in timed) for p in PHASES}
+    med["response_length_mean"] = statistics.mean(t["response_length_mean"] for t in timed)
+    if "phi_num_tokens" in timed[0]:
+        med["phi_num_tokens"] = statistics.mean(t["phi_num_tokens"] for t in timed)
+    return med
+
+
+def _print_against_dense(terms: int, rows: dict, field: str | None, value: str | None) -> None:
+    """Each row's step and rollout against the dense row measured at the same value."""
+    d = rows.get("dense")
+    if d is None:
+        return
+    print(
+        f"[bench] terms {terms}: dense rollout share {d['time_rollout'] / d['time_step']:.1%}",
+        flush=True,
+    )
+    for mode, r in rows.items():
+        if mode != "dense":
+            print(
+                f"[bench] terms {terms}: {_label(mode, field, value)} speedup vs dense "
+                f"{d['time_step'] / r['time_step']:.2f}x; rollout "
+                f"{d['time_rollout'] / max(r['time_rollout'], 1e-9):.2f}x; "
+                f"distillation phases / dense update "
+                f"{r['time_update_phi'] / max(d['time_update_theta'], 1e-9):.2f}",
+                flush=True,
+            )
 
 
 def bench(config, args):
@@ -114,77 +165,57 @@ def bench(config, args):
     from dsparse_jax.config.validate import validate
     from dsparse_jax.train import context, phases, rl_state, trainables
 
+    field, values = args.vary or (None, [None])
+    configs = {}  # every row's config checked before the first compile
+    for key in itertools.product(args.terms, args.modes, values):
+        configs[key] = run_config(config, *key[:2], field, key[2])
+        validate(configs[key])
     results = []
     for terms in args.terms:
-        base = copy.deepcopy(config)
-        base.task.num_terms = terms
-        if not base.task.repeat_terms:
-            base.task.num_vars = max(base.task.num_vars, terms)
-        ctx = context.build(base)
-        params0 = _sft_params(ctx, args.params_from) if args.params_from else ctx.init_params
-        budget = ctx.task.completion_budget()
-        row = {}
-        field, values = args.vary or (None, [None])
-        for mode, value in [(m, v) for m in args.modes for v in values]:
-            c = copy.deepcopy(base)
-            c.rl.rollout_mode = mode
-            if field:
-                cli.apply_override(c, field, value)
-            validate(c)
-            label = _label(mode, field, value)
-            tok = _NoEos(ctx.tok) if args.ignore_eos else ctx.tok
-            run = dataclasses.replace(ctx, config=c, tok=tok)
-            setup = rl_state.make_setup(run)
-            st = trainables.init_state(run, setup, jax.tree.map(jnp.copy, params0))
-            rng = jax.random.key(0)
-            timed = []
-            for step in range(args.steps + 1):
-                rng, k = jax.random.split(rng)
-                st, m = phases.rl_step(run, setup, st, k, step)
-                if step:
-                    timed.append(m)
-            med = {p: statistics.median(t.get(p, 0.0) for t in timed) for p in PHASES}
-            med["response_length_mean"] = statistics.mean(t["response_length_mean"] for t in timed)
-            if "phi_num_tokens" in timed[0]:  # the tokens phi trained on (distill.row_stride)
-                med["phi_num_tokens"] = statistics.mean(t["phi_num_tokens"] for t in timed)
-            med.update(
-                mode=mode,
-                **({field: value} if field else {}),
-                num_terms=terms,
-                completion_budget=budget,
-                batch_rows=c.rl.prompts_per_step * c.rl.samples_per_prompt,
-                ignore_eos=args.ignore_eos,
-            )
-            row[label] = med
-            results.append(med)
-            print(
-                f"[bench] terms {terms} (budget {budget} tokens) {label}: "
-                + " ".join(f"{p[5:]} {med[p]:.3f}s" for p in PHASES)
-                + f" | mean length {med['response_length_mean']:.1f}",
-                flush=True,
-            )
-        if "dense" in row:
-            d = row["dense"]
-            print(
-                f"[bench] terms {terms}: dense rollout share "
-                f"{d['time_rollout'] / d['time_step']:.1%}",
-                flush=True,
-            )
-            for label, r in row.items():
-                if label != "dense":
-                    distill_cost = r["time_update_phi"]
-                    print(
-                        f"[bench] terms {terms}: {label} speedup vs dense "
-                        f"{d['time_step'] / r['time_step']:.2f}x; rollout "
-                        f"{d['time_rollout'] / max(r['time_rollout'], 1e-9):.2f}x; "
-                        f"distillation phases / dense update "
-                        f"{distill_cost / max(d['time_update_theta'], 1e-9):.2f}",
-                        flush=True,
-                    )
-        for mode in args.modes if field else []:
-            first = row[_label(mode, field, values[0])]
-            for value in values[1:]:
-                r = row[_label(mode, field, value)]
+        by_value = {}  # value -> mode -> medians
+        for value in values:
+            rows = by_value[value] = {}
+            for mode in args.modes:
+                c = configs[terms, mode, value]
+                # Built from the row's own config: the varied field may shape the model,
+                # the sparse spec or LoRA, which the context derives once.
+                ctx = context.build(c)
+                params0 = (
+                    _sft_params(ctx, args.params_from) if args.params_from else ctx.init_params
+                )
+                tok = _NoEos(ctx.tok) if args.ignore_eos else ctx.tok
+                run = dataclasses.replace(ctx, tok=tok)
+                setup = rl_state.make_setup(run)
+                st = trainables.init_state(run, setup, jax.tree.map(jnp.copy, params0))
+                rng = jax.random.key(0)
+                timed = []
+                for step in range(args.steps + 1):
+                    rng, k = jax.random.split(rng)
+                    st, m = phases.rl_step(run, setup, st, k, step)
+                    if step:
+                        timed.append(m)
+                med = _medians(timed)
+                budget = ctx.task.completion_budget()
+                med.update(
+                    mode=mode,
+                    **({field: value} if field else {}),
+                    num_terms=terms,
+                    completion_budget=budget,
+                    batch_rows=c.rl.prompts_per_step * c.rl.samples_per_prompt,
+                    ignore_eos=args.ignore_eos,
+                )
+                rows[mode] = med
+                results.append(med)
+                print(
+                    f"[bench] terms {terms} (budget {budget} tokens) {_label(mode, field, value)}: "
+                    + " ".join(f"{p[5:]} {med[p]:.3f}s" for p in PHASES)
+                    + f" | mean length {med['response_length_mean']:.1f}",
+                    flush=True,
+                )
+            _print_against_dense(terms, rows, field, value)
+        for value in values[1:]:
+            for mode in args.modes:
+                first, r = by_value[values[0]][mode], by_value[value][mode]
                 r["ratio_to_first"] = {
                     p: r[p] / first[p] for p in PHASES if first[p] > 0 and r[p] > 0
                 }
