@@ -272,13 +272,14 @@ def test_report_tables_over_experiments_seeds_phases_and_windows(tmp_path):
 
     curve = res.curve_table(runs)
     se = np.std([0.2, 0.6], ddof=1) / np.sqrt(2)
-    assert curve[-1].startswith("| `sparse` | 0,1 |")
+    assert curve[-1].startswith("| `sparse` | 0,1 (unfinished) |")  # neither run finished
     assert curve[-1].split("|")[4].strip() == f"0.400 ± {se:.3f} / 0.400 ± {se:.3f}"
     phases = res.phase_table(runs)
     assert phases[0].split("|")[3:5] == [" rollout ", " update_theta "]
     assert phases[-1].split("|")[3].strip() == "2.50 ± 0.50"
     mismatch = res.mismatch_table(runs)
     assert len(mismatch) == 2 + 3  # header, rule, three windows
+    assert mismatch[-1].startswith("| `sparse` (n=2, unfinished) |")
     cells = [c.strip() for c in mismatch[-1].split("|")]
     assert cells[3] == "0.300 ± 0.000" and cells[4] == "0.030 ± 0.000"  # range 0: bin 0
     assert cells[5] == cells[6] == "-"  # bins 1, 2: no tokens
@@ -293,3 +294,4 @@ def test_report_tables_over_experiments_seeds_phases_and_windows(tmp_path):
     assert res.group(runs) == {"sparse": [runs[0]]}
     assert res.seeds_cell(runs, "sparse", [runs[0]]) == "0 (+1 unfinished)"
     assert res.curve_table(runs)[-1].startswith("| `sparse` | 0 (+1 unfinished) |")
+    assert res.mismatch_table(runs)[-1].startswith("| `sparse` (n=1) |")

@@ -303,9 +303,12 @@ def group(runs: list[dict]) -> dict[str, list[dict]]:
 
 def seeds_cell(runs: list[dict], variant: str, shown: list[dict]) -> str:
     """The seeds of the variant's runs in its means, then ' (+k unfinished)' for its
-    runs left out of them."""
-    k = sum(1 for r in runs if r["variant"] == variant and r not in shown)
-    return ",".join(str(r["seed"]) for r in shown) + (f" (+{k} unfinished)" if k else "")
+    runs left out of them, or ' (unfinished)' where no run in them has finished."""
+    seeds = ",".join(str(r["seed"]) for r in shown)
+    if not any(r["done"] for r in shown):
+        return seeds + " (unfinished)"
+    k = sum(1 for r in runs if r["variant"] == variant and all(r is not s for s in shown))
+    return seeds + (f" (+{k} unfinished)" if k else "")
 
 
 def mean_se(vals, digits=3) -> str:
@@ -471,9 +474,8 @@ def mismatch_table(runs: list[dict]) -> list[str]:
             kl = [mean_se(in_range(w["kl_bins"], a, b) for w in ws) for a, b in ranges]
             al = [mean_se(in_range(w["alpha_p5_bins"], a, b) for w in ws) for a, b in ranges]
             lines.append(
-                f"| `{v}` (n={len(ws)}) | {span} | {mean_se(w['kl_exact'] for w in ws)} | "
-                + " | ".join(kl + al)
-                + " |"
+                f"| `{v}` (n={len(ws)}{'' if any(r['done'] for r in rs) else ', unfinished'})"
+                f" | {span} | {mean_se(w['kl_exact'] for w in ws)} | " + " | ".join(kl + al) + " |"
             )
     return lines
 
