@@ -5,6 +5,7 @@ optional Weights & Biases mirror (offline)."""
 import io
 import json
 import os
+import re
 import time
 
 import pytest
@@ -115,7 +116,9 @@ def test_wandb_offline(tmp_path, monkeypatch):
     again.write("rl", 2, {"reward": 0.7})
     again.close()
     runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
-    assert len(runs) == 2 and all(r.endswith("-" + run_id) for r in runs)
+    # offline-run-<time>-<id>, with "-1" added when both writers started in the same second
+    name = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?")
+    assert len(runs) == 2 and all(name.fullmatch(r) for r in runs), runs
 
 
 def test_a_long_phase_says_it_is_still_running(capsys):
