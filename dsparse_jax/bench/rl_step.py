@@ -111,7 +111,7 @@ def _label(mode: str, field: str | None, value: str | None) -> str:
     return f"{mode} {field}={value}" if field else mode
 
 
-def run_config(config, terms: int, mode: str, field: str | None, value: str | None):
+def _row_config(config, terms: int, mode: str, field: str | None, value: str | None):
     """The config of one (length, mode, value) row: config with task.num_terms, the
     rollout mode and the --vary field set (a UserError names a bad field or value)."""
     c = copy.deepcopy(config)
@@ -168,7 +168,7 @@ def bench(config, args):
     field, values = args.vary or (None, [None])
     configs = {}  # every row's config checked before the first compile
     for key in itertools.product(args.terms, args.modes, values):
-        configs[key] = run_config(config, *key[:2], field, key[2])
+        configs[key] = _row_config(config, *key[:2], field, key[2])
         validate(configs[key])
     results = []
     for terms in args.terms:
