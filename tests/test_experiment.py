@@ -285,7 +285,7 @@ def test_report_tables_over_experiments_seeds_phases_and_windows(tmp_path):
     assert cells[5] == cells[6] == "-"  # bins 1, 2: no tokens
     assert cells[7] == "0.300 ± 0.000" and cells[11] == "0.500 ± 0.000"  # bin 3: KL, p5 α
     assert res.run_table(runs)[-1].split("|")[13].strip() == "0.250 / 0.500"  # MIS token / seq.
-    line = res.cpu_time(runs, [a, b])
+    line = res.cpu_time(runs, [a, b, str(tmp_path / "no_warm_start")])
     assert "over 2 runs" in line and "10m00s for 1 SFT warm start" in line
     # Neither run finished: both in the means. Once one has, the other (in progress)
     # leaves the means and is counted as unfinished.

@@ -491,12 +491,14 @@ def sft_base(expdir: str) -> tuple[dict, float | None]:
 
 def cpu_time(runs: list[dict], expdirs: list[str]) -> str:
     """One line: the wall time of every run and of the SFT warm starts, summed (a warm
-    start copied from one experiment to another counted once)."""
+    start copied from one experiment to another counted once; an experiment without one
+    adds none)."""
     walls = [r["wall_s"] for r in runs if _finite(r["wall_s"])]
     starts = {}
     for d in expdirs:
         summary, wall = sft_base(d)
-        starts.setdefault(json.dumps(summary, sort_keys=True), wall or 0.0)
+        if summary or wall:
+            starts.setdefault(json.dumps(summary, sort_keys=True), wall or 0.0)
     return (
         f"Wall time of these runs: {fmt_time(sum(walls))} over {len(walls)} runs, "
         f"+ {fmt_time(sum(starts.values()))} for {len(starts)} SFT warm start(s). Every "
