@@ -167,9 +167,9 @@ def bench(config, args):
 
     field, values = args.vary or (None, [None])
     configs = {}  # every row's config checked before the first compile
-    for key in itertools.product(args.terms, args.modes, values):
-        configs[key] = _row_config(config, *key[:2], field, key[2])
-        validate(configs[key])
+    for terms, mode, value in itertools.product(args.terms, args.modes, values):
+        c = configs[terms, mode, value] = _row_config(config, terms, mode, field, value)
+        validate(c)
     results = []
     for terms in args.terms:
         by_value = {}  # value -> mode -> medians

@@ -301,11 +301,16 @@ def group(runs: list[dict]) -> dict[str, list[dict]]:
     return {v: [r for r in rs if r["done"]] or rs for v, rs in out.items()}
 
 
+def unfinished(shown: list[dict]) -> bool:
+    """Whether a variant's runs in its means (group) are all still in progress."""
+    return not any(r["done"] for r in shown)
+
+
 def seeds_cell(runs: list[dict], variant: str, shown: list[dict]) -> str:
     """The seeds of the variant's runs in its means, then ' (+k unfinished)' for its
     runs left out of them, or ' (unfinished)' where no run in them has finished."""
     seeds = ",".join(str(r["seed"]) for r in shown)
-    if not any(r["done"] for r in shown):
+    if unfinished(shown):
         return seeds + " (unfinished)"
     k = sum(1 for r in runs if r["variant"] == variant and all(r is not s for s in shown))
     return seeds + (f" (+{k} unfinished)" if k else "")
@@ -474,7 +479,7 @@ def mismatch_table(runs: list[dict]) -> list[str]:
             kl = [mean_se(in_range(w["kl_bins"], a, b) for w in ws) for a, b in ranges]
             al = [mean_se(in_range(w["alpha_p5_bins"], a, b) for w in ws) for a, b in ranges]
             lines.append(
-                f"| `{v}` (n={len(ws)}{'' if any(r['done'] for r in rs) else ', unfinished'})"
+                f"| `{v}` (n={len(ws)}{', unfinished' if unfinished(rs) else ''})"
                 f" | {span} | {mean_se(w['kl_exact'] for w in ws)} | " + " | ".join(kl + al) + " |"
             )
     return lines
